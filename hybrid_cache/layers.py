@@ -1,0 +1,438 @@
+"""Per-layer storage: a ring buffer for sliding-window layers and append-only storage for full-attention layers.
+
+Both follow transformers' `CacheLayerMixin` protocol (`update`, `get_mask_sizes`, `get_seq_length`, `crop`, ...),
+so the `HybridRingCache` container only forwards to them. Tensors are `[batch, kv_heads, slots, head_dim]`.
+
+Positions are absolute cache positions: the number of tokens written before a token (padding tokens included),
+exactly what transformers calls `cache_position`. A ring of `capacity` slots keeps position `p` in slot
+`p % capacity`; `_oldest` is the lowest position still held, so the ring holds positions `[_oldest, length)`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+from transformers.utils import is_torchdynamo_compiling
+
+from .mask_hook import RingLayout
+
+__all__ = ["CacheCapacityError", "GrowableFullLayer", "RingSlidingLayer", "RollbackError", "StaticFullLayer"]
+
+
+class CacheCapacityError(RuntimeError):
+    """Raised when a fixed-capacity layer is asked to hold more tokens than it was allocated for."""
+
+
+class RollbackError(RuntimeError):
+    """Raised when `crop` would need tokens a ring buffer has already overwritten."""
+
+
+def _check_shapes(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """Refuse updates whose batch size / heads / head size differ from the storage (never silently mix batches)."""
+    expected = (layer.batch_size, layer.num_heads)
+    if tuple(key_states.shape[:2]) != expected or tuple(value_states.shape[:2]) != expected:
+        raise ValueError(
+            f"HybridRingCache layer holds batch_size={layer.batch_size}, kv_heads={layer.num_heads} but received "
+            f"keys of shape {tuple(key_states.shape)}. The batch size (or model) changed without resetting the "
+            f"cache: call `cache.reset()` before reusing it for a new batch, or create a new HybridRingCache."
+        )
+    if key_states.shape[-1] != layer.k_head_dim or value_states.shape[-1] != layer.v_head_dim:
+        raise ValueError(
+            f"HybridRingCache layer was allocated for head sizes (k={layer.k_head_dim}, v={layer.v_head_dim}) but "
+            f"received (k={key_states.shape[-1]}, v={value_states.shape[-1]}). Use one cache per model."
+        )
+
+
+class _StorageLayer(CacheLayerMixin):
+    """Shared allocation logic: lazy allocation from the first `update`, on the tensors' own device and dtype."""
+
+    is_croppable = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cumulative_length = 0
+
+    def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        self.keys = key_states.new_zeros((self.batch_size, self.num_heads, slots, self.k_head_dim))
+        self.values = value_states.new_zeros((self.batch_size, self.num_heads, slots, self.v_head_dim))
+        self.is_initialized = True
+
+    def _prepare(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        else:
+            _check_shapes(self, key_states, value_states)
+
+    @property
+    def capacity(self) -> int:
+        """Number of token slots currently allocated (0 before the first update)."""
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    def nbytes(self) -> int:
+        """Bytes held by this layer's key and value storage (what is actually allocated)."""
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def reset(self) -> None:
+        """Forget all tokens; keep the allocation so the next sequence reuses it (same batch size)."""
+        self.cumulative_length = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            beam_idx = beam_idx.to(self.device)
+            self.keys = self.keys.index_select(0, beam_idx)
+            self.values = self.values.index_select(0, beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.keys = self.keys.repeat_interleave(repeats, dim=0)
+            self.values = self.values.repeat_interleave(repeats, dim=0)
+            self.batch_size = self.keys.shape[0]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys = self.keys[indices, ...]
+            self.values = self.values[indices, ...]
+            self.batch_size = self.keys.shape[0]
+
+
+class RingSlidingLayer(_StorageLayer):
+    """A sliding-window layer stored as a ring of `sliding_window + rollback_margin` slots.
+
+    A one-token step writes its key/value in place at slot `position % capacity` (no copy of the window, no `cat`,
+    no `roll`) and returns the whole ring; the ring's slot order is described to the mask by a `RingLayout`.
+    A multi-token step returns the held slots followed by the new tokens (so every query sees its full window),
+    then keeps only the newest tokens. Keys are never moved to another position, so RoPE stays valid.
+
+    Args:
+        sliding_window (`int`): the model's window `W` (a query sees `W` keys including itself).
+        rollback_margin (`int`, defaults to 0): extra slots that make `crop(-n)` exact for `n <= rollback_margin + 1`
+            even after the wrap (speculative / assisted decoding).
+
+    Example (head size 1, token ids as values): `W=4`: prefill `[0, 1, 2]` -> slots `[0, 1, 2, _]`; decode 3, 4, 5
+    -> slots `[4, 5, 2, 3]`, positions `[4, 5, 2, 3]`, and the query at 5 attends to 2..5.
+    """
+
+    is_sliding = True
+
+    def __init__(self, sliding_window: int, rollback_margin: int = 0) -> None:
+        super().__init__()
+        if sliding_window is None or int(sliding_window) < 1:
+            raise ValueError(
+                f"A sliding_attention layer needs a positive `sliding_window`, got {sliding_window!r}. Set "
+                f"`config.sliding_window` (or mark the layer 'full_attention' in `config.layer_types`)."
+            )
+        if rollback_margin < 0:
+            raise ValueError(f"`rollback_margin` must be >= 0, got {rollback_margin}.")
+        self.sliding_window = int(sliding_window)
+        self.rollback_margin = int(rollback_margin)
+        self._oldest = 0  # lowest absolute position still held in the ring
+        self.record_past = False
+
+    @property
+    def max_slots(self) -> int:
+        return self.sliding_window + self.rollback_margin
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._allocate(key_states, value_states, self.max_slots)
+        self._slot_ids = torch.arange(self.max_slots, device=self.device)
+
+    def activate_past_recording(self) -> None:
+        """Called by assisted / prompt-lookup decoding before steps that may be rolled back with `crop(-n)`.
+
+        While recording, a multi-token step of `n` tokens grows the ring (once, geometrically) so that the whole step
+        can be rolled back exactly; outside recording, rollback is limited to `rollback_margin + 1` tokens.
+        """
+        self.record_past = True
+
+    # --- layout -------------------------------------------------------------------------------------------------
+    def _is_time_ordered(self, query_length: int) -> bool:
+        """True while slot `i` holds position `i` for every returned slot: the standard mask is then exact."""
+        return self._oldest == 0 and self.cumulative_length + query_length <= self.max_slots
+
+    def needs_ring_layout(self, query_length: int) -> bool:
+        """True when the keys returned for this step are not in time order (a `RingLayout` describes them)."""
+        return not self._is_time_ordered(query_length) and self.cumulative_length != self._oldest
+
+    def _slot_positions(self, length: int) -> torch.Tensor:
+        """Absolute position held by every slot when `length` tokens have been written, `-1` where empty/stale."""
+        capacity = self.max_slots
+        positions = (length - 1) - torch.remainder((length - 1) - self._slot_ids, capacity)
+        return torch.where(positions >= self._oldest, positions, -1)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:
+        length = self.cumulative_length
+        if self._is_time_ordered(query_length):
+            return length + query_length, 0
+        if length == self._oldest:  # nothing held (fresh prompt longer than the ring): new tokens only, in order
+            return query_length, length
+        if query_length == 1:
+            # In-place decode: the ring after writing position `length`.
+            return self.max_slots, RingLayout(self._slot_positions(length + 1))
+        new_positions = torch.arange(length, length + query_length, device=self._slot_ids.device)
+        return self.max_slots + query_length, RingLayout(torch.cat([self._slot_positions(length), new_positions]))
+
+    # --- update ---------------------------------------------------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens and return the keys/values the attention must see, in the layout of `get_mask_sizes`.
+
+        Args:
+            key_states (`torch.Tensor` of shape `[batch, kv_heads, q_len, head_dim]`): new keys (after RoPE).
+            value_states (`torch.Tensor` of shape `[batch, kv_heads, q_len, head_dim]`): new values.
+        """
+        self._prepare(key_states, value_states)
+        query_length = key_states.shape[-2]
+        length = self.cumulative_length
+        if self.record_past and query_length > 1:
+            self._grow_for_rollback(query_length - 1)
+
+        if self._is_time_ordered(query_length):
+            end = length + query_length
+            self.keys[:, :, length:end].copy_(key_states)
+            self.values[:, :, length:end].copy_(value_states)
+            self.cumulative_length = end
+            return self.keys[:, :, :end], self.values[:, :, :end]
+
+        if query_length == 1:
+            slot = length % self.max_slots
+            self.keys[:, :, slot : slot + 1].copy_(key_states)
+            self.values[:, :, slot : slot + 1].copy_(value_states)
+            self._advance(1)
+            return self.keys, self.values
+
+        if length == self._oldest:
+            returned_keys, returned_values = key_states, value_states
+        else:
+            # The held window must be copied out before the write below overwrites it.
+            returned_keys = torch.cat([self.keys, key_states], dim=-2)
+            returned_values = torch.cat([self.values, value_states], dim=-2)
+        self._write_newest(key_states, value_states)
+        return returned_keys, returned_values
+
+    def _write_newest(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write the last `min(n, capacity)` new tokens at `position % capacity` (at most two contiguous pieces)."""
+        query_length = key_states.shape[-2]
+        capacity = self.max_slots
+        kept = min(query_length, capacity)
+        first_position = self.cumulative_length + query_length - kept
+        start = first_position % capacity
+        head = min(kept, capacity - start)
+        source = query_length - kept
+        self.keys[:, :, start : start + head].copy_(key_states[:, :, source : source + head])
+        self.values[:, :, start : start + head].copy_(value_states[:, :, source : source + head])
+        if kept > head:
+            self.keys[:, :, : kept - head].copy_(key_states[:, :, source + head :])
+            self.values[:, :, : kept - head].copy_(value_states[:, :, source + head :])
+        self._advance(query_length)
+
+    def _advance(self, query_length: int) -> None:
+        self.cumulative_length += query_length
+        self._oldest = max(self._oldest, self.cumulative_length - self.max_slots)
+
+    def _grow_for_rollback(self, needed_margin: int) -> None:
+        """Enlarge the ring (geometrically, rarely) so the next multi-token step can be rolled back exactly."""
+        if self.rollback_margin >= needed_margin:
+            return
+        new_margin = max(needed_margin, 2 * self.rollback_margin)
+        new_capacity = self.sliding_window + new_margin
+        held = torch.arange(self._oldest, self.cumulative_length, device=self.device)
+        new_keys = self.keys.new_zeros(self.keys.shape[:2] + (new_capacity, self.k_head_dim))
+        new_values = self.values.new_zeros(self.values.shape[:2] + (new_capacity, self.v_head_dim))
+        if held.numel():
+            old_slots = held % self.max_slots
+            new_slots = held % new_capacity
+            new_keys[:, :, new_slots] = self.keys[:, :, old_slots]
+            new_values[:, :, new_slots] = self.values[:, :, old_slots]
+        self.keys, self.values = new_keys, new_values
+        self.rollback_margin = new_margin
+        self._slot_ids = torch.arange(new_capacity, device=self.device)
+
+    # --- protocol -------------------------------------------------------------------------------------------------
+    def get_max_length(self) -> int:
+        return self.max_slots
+
+    def reset(self) -> None:
+        super().reset()
+        self._oldest = 0
+        self.record_past = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back the last `-tokens_to_remove` tokens (negative, transformers' convention), exactly or not at all.
+
+        The next query (at the new length `L`) needs positions `L - W + 1 .. L - 1`; they are all still held iff
+        `_oldest <= max(0, L - W + 1)`. Otherwise the ring already overwrote them and we raise.
+        """
+        if tokens_to_remove > 0:
+            # Legacy transformers convention: a positive value is the length to keep.
+            tokens_to_remove = tokens_to_remove - self.cumulative_length
+            if tokens_to_remove > 0:
+                raise ValueError(f"Cannot crop to {tokens_to_remove + self.cumulative_length} tokens: only "
+                                 f"{self.cumulative_length} are cached.")
+        remove = -tokens_to_remove
+        if remove == 0:
+            self.record_past = False
+            return
+        new_length = self.cumulative_length - remove
+        if new_length < 0:
+            raise RollbackError(f"Cannot remove {remove} tokens: only {self.cumulative_length} are cached.")
+        if self._oldest > max(0, new_length - self.sliding_window + 1):
+            raise RollbackError(
+                f"Cannot roll back {remove} tokens exactly: the sliding-window ring ({self.max_slots} slots = window "
+                f"{self.sliding_window} + margin {self.rollback_margin}) already overwrote tokens the next query "
+                f"needs (it can undo at most {self.rollback_margin + 1} tokens after the wrap). Create the cache with "
+                f"`HybridRingCache(config, rollback_margin=N)` for N >= {remove - 1}, or call "
+                f"`cache.activate_past_recording()` before the speculative step."
+            )
+        self.cumulative_length = new_length
+        self.record_past = False
+
+
+class GrowableFullLayer(_StorageLayer):
+    """A full-attention layer: an append-only buffer that grows geometrically (amortized O(1) per token).
+
+    Returns a time-ordered view `[:, :, :length]`, so transformers' standard causal mask applies unchanged.
+    Unlike `DynamicLayer`, a decode step copies only the new token: the history is copied only when the buffer
+    doubles (a total of at most `2 x length` token copies over a whole generation instead of `length^2 / 2`).
+
+    Args:
+        initial_capacity (`int`, defaults to 256): slots allocated at the first update (or the prompt length if larger).
+    """
+
+    is_sliding = False
+
+    def __init__(self, initial_capacity: int = 256) -> None:
+        super().__init__()
+        self.initial_capacity = int(initial_capacity)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._allocate(key_states, value_states, max(self.initial_capacity, key_states.shape[-2]))
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        new_capacity = max(needed, 2 * self.capacity)
+        length = self.cumulative_length
+        new_keys = self.keys.new_empty(self.keys.shape[:2] + (new_capacity, self.k_head_dim))
+        new_values = self.values.new_empty(self.values.shape[:2] + (new_capacity, self.v_head_dim))
+        new_keys[:, :, :length].copy_(self.keys[:, :, :length])
+        new_values[:, :, :length].copy_(self.values[:, :, :length])
+        self.keys, self.values = new_keys, new_values
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens; return all tokens so far (`[batch, kv_heads, length, head_dim]` views)."""
+        self._prepare(key_states, value_states)
+        start = self.cumulative_length
+        end = start + key_states.shape[-2]
+        self._reserve(end)
+        self.keys[:, :, start:end].copy_(key_states)
+        self.values[:, :, start:end].copy_(value_states)
+        self.cumulative_length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:  # legacy convention: the length to keep
+            tokens_to_remove = tokens_to_remove - self.cumulative_length
+        self.cumulative_length = max(0, self.cumulative_length + min(tokens_to_remove, 0))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # Only the held tokens matter; select them alone so a beam step costs O(length), not O(capacity).
+        if self.is_initialized:
+            length, beam_idx = self.cumulative_length, beam_idx.to(self.device)
+            self.keys[:, :, :length] = self.keys[:, :, :length].index_select(0, beam_idx)
+            self.values[:, :, :length] = self.values[:, :, :length].index_select(0, beam_idx)
+
+
+class StaticFullLayer(_StorageLayer):
+    """A full-attention layer with a fixed, preallocated capacity (for `torch.compile`; static tensor addresses).
+
+    Like transformers' `StaticLayer`, it returns the whole buffer (`max_cache_len` slots, time-ordered; slots past
+    the current length are masked by causality) and keeps its length in a tensor so compiled steps never specialize
+    on a Python integer.
+
+    Args:
+        max_cache_len (`int`): total tokens (prompt + generated) the layer can hold; exceeding it raises.
+    """
+
+    is_sliding = False
+    is_compileable = True
+
+    def __init__(self, max_cache_len: int) -> None:
+        if max_cache_len < 1:
+            raise ValueError(f"`max_cache_len` must be >= 1, got {max_cache_len}.")
+        self.max_cache_len = int(max_cache_len)
+        self.length_tensor = torch.zeros((), dtype=torch.long)
+        super().__init__()
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._allocate(key_states, value_states, self.max_cache_len)
+        self.length_tensor = self.length_tensor.to(self.device)
+        if not is_torchdynamo_compiling():
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
+            torch._dynamo.mark_static_address(self.length_tensor)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._prepare(key_states, value_states)
+        query_length = key_states.shape[-2]
+        if not is_torchdynamo_compiling():
+            end = int(self.length_tensor) + query_length
+            if end > self.max_cache_len:
+                raise CacheCapacityError(
+                    f"The full-attention layers were allocated for max_cache_len={self.max_cache_len} tokens, but "
+                    f"{end} are needed. Create the cache with a larger `max_cache_len` (prompt + max_new_tokens), or "
+                    f"leave it unset for storage that grows."
+                )
+        positions = self.length_tensor + torch.arange(query_length, device=self.device)
+        self.keys.index_copy_(2, positions, key_states)
+        self.values.index_copy_(2, positions, value_states)
+        self.length_tensor.add_(query_length)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    @property
+    def cumulative_length(self) -> int | torch.Tensor:
+        # The tensor is the only counter: a Python int would make compiled steps recompile per length (#44609).
+        return self.length_tensor if is_torchdynamo_compiling() else int(self.length_tensor)
+
+    @cumulative_length.setter
+    def cumulative_length(self, value: int) -> None:
+        self.length_tensor.fill_(value)
+
+    def get_seq_length(self) -> int | torch.Tensor:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            tokens_to_remove = tokens_to_remove - self.cumulative_length
+        self.cumulative_length = max(0, self.cumulative_length + min(tokens_to_remove, 0))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # In place, to keep the static addresses that compiled graphs captured.
+        if self.is_initialized:
+            beam_idx = beam_idx.to(self.device)
+            self.keys.copy_(self.keys.index_select(0, beam_idx))
+            self.values.copy_(self.values.index_select(0, beam_idx))
