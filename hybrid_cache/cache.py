@@ -57,7 +57,7 @@ class MemoryReport:
             lines.append(f"  {layer_type:<18}{count:>7}{slot_text:>13}{self.bytes_by_type[layer_type] / 2**20:>11.3f}")
         lines.append(f"  {'total':<18}{sum(self.layers_by_type.values()):>7}{'':>13}{self.total_bytes / 2**20:>11.3f}")
         lines.append(
-            f"  full cache of every layer: {self.full_cache_bytes / 2**20:.3f} MiB "
+            f"  full cache of every storing layer: {self.full_cache_bytes / 2**20:.3f} MiB "
             f"(held: {100 * (1 - self.saving):.1f}%, saved: {100 * self.saving:.1f}%)"
         )
         return "\n".join(lines)
@@ -121,7 +121,8 @@ class HybridRingCache(Cache):
             the cache compileable; exceeding it raises `CacheCapacityError`. Default: storage that grows.
         rollback_margin (`int`, defaults to 0): extra ring slots so that `crop(-n)` is exact for
             `n <= rollback_margin + 1` after the wrap. Assisted decoding grows it automatically when needed.
-        initial_capacity (`int`, defaults to 256): first allocation of the growing full-attention buffers.
+        initial_capacity (`int`, defaults to 0): minimum first allocation of the growing full-attention buffers
+            (the default allocates the prompt length, so a layer never holds more than twice its tokens).
 
     Example:
 
@@ -138,7 +139,7 @@ class HybridRingCache(Cache):
         config: PreTrainedConfig,
         max_cache_len: int | None = None,
         rollback_margin: int = 0,
-        initial_capacity: int = 256,
+        initial_capacity: int = 0,
     ) -> None:
         if not isinstance(config, PreTrainedConfig):
             raise TypeError(

