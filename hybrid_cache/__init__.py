@@ -1,7 +1,14 @@
 """hybrid_cache: an exact, memory-minimal KV cache for transformers' hybrid local/global attention models."""
 
 from .cache import HybridRingCache, MemoryReport
-from .layers import CacheCapacityError, GrowableFullLayer, RingSlidingLayer, RollbackError, StaticFullLayer
+from .layers import (
+    CacheCapacityError,
+    GrowableFullLayer,
+    RingSlidingLayer,
+    RollbackError,
+    StaticFullLayer,
+    StaticRingSlidingLayer,
+)
 from .mask_hook import (
     RingLayout,
     UnsupportedAttentionError,
@@ -19,6 +26,7 @@ __all__ = [
     "RingSlidingLayer",
     "RollbackError",
     "StaticFullLayer",
+    "StaticRingSlidingLayer",
     "UnsupportedAttentionError",
     "install_mask_hook",
     "is_mask_hook_installed",

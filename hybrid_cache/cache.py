@@ -10,7 +10,9 @@ import torch
 from transformers.cache_utils import Cache, DummyLayer
 from transformers.configuration_utils import PreTrainedConfig
 
-from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer
+from transformers.utils import is_torchdynamo_compiling
+
+from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
 from .mask_hook import RingLayout, check_ring_attention_supported, install_mask_hook
 
 __all__ = ["HybridRingCache", "MemoryReport"]
@@ -153,7 +155,8 @@ class HybridRingCache(Cache):
         for kind, window in _layer_plan(self.config):
             self.layer_kinds.append(kind)
             if kind == SLIDING:
-                layers.append(RingSlidingLayer(window, rollback_margin=rollback_margin))
+                ring_class = RingSlidingLayer if max_cache_len is None else StaticRingSlidingLayer
+                layers.append(ring_class(window, rollback_margin=rollback_margin))
             elif kind == SHARED:
                 layers.append(DummyLayer())
             elif max_cache_len is not None:
@@ -179,7 +182,11 @@ class HybridRingCache(Cache):
                 f"update() for it: the cache was built from a config that does not match the model."
             )
         layer = self.layers[layer_idx]
-        if isinstance(layer, RingSlidingLayer) and layer.needs_ring_layout(key_states.shape[-2]):
+        if (
+            not is_torchdynamo_compiling()  # the checks read Python counters; compiled steps were checked eagerly
+            and isinstance(layer, RingSlidingLayer)
+            and layer.needs_ring_layout(key_states.shape[-2])
+        ):
             self._check_ring_mask_was_built(layer, key_states.shape[-2])
         return layer.update(key_states, value_states, *args, **kwargs)
 
@@ -196,7 +203,7 @@ class HybridRingCache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int | RingLayout]:
         kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
-        if isinstance(kv_offset, RingLayout):
+        if isinstance(kv_offset, RingLayout) and not is_torchdynamo_compiling():
             # Only a wrapped ring needs the hook: check now that it will be the one serving this mask.
             check_ring_attention_supported(getattr(self.config, "_attn_implementation", None))
             self._ring_mask_request = (self.layers[layer_idx].cumulative_length, query_length)

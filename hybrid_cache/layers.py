@@ -16,7 +16,14 @@ from transformers.utils import is_torchdynamo_compiling
 
 from .mask_hook import RingLayout
 
-__all__ = ["CacheCapacityError", "GrowableFullLayer", "RingSlidingLayer", "RollbackError", "StaticFullLayer"]
+__all__ = [
+    "CacheCapacityError",
+    "GrowableFullLayer",
+    "RingSlidingLayer",
+    "RollbackError",
+    "StaticFullLayer",
+    "StaticRingSlidingLayer",
+]
 
 
 class CacheCapacityError(RuntimeError):
@@ -36,11 +43,50 @@ def _check_shapes(layer: CacheLayerMixin, key_states: torch.Tensor, value_states
             f"keys of shape {tuple(key_states.shape)}. The batch size (or model) changed without resetting the "
             f"cache: call `cache.reset()` before reusing it for a new batch, or create a new HybridRingCache."
         )
+    if key_states.dtype != layer.dtype or key_states.device != layer.device:
+        raise ValueError(
+            f"HybridRingCache layer holds {layer.dtype} on {layer.device} but received {key_states.dtype} on "
+            f"{key_states.device}. Call `cache.reset()` before running the model in another dtype or device."
+        )
     if key_states.shape[-1] != layer.k_head_dim or value_states.shape[-1] != layer.v_head_dim:
         raise ValueError(
             f"HybridRingCache layer was allocated for head sizes (k={layer.k_head_dim}, v={layer.v_head_dim}) but "
             f"received (k={key_states.shape[-1]}, v={value_states.shape[-1]}). Use one cache per model."
         )
+
+
+def _same_layout(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+    return (
+        tuple(key_states.shape[:2]) == (layer.batch_size, layer.num_heads)
+        and key_states.shape[-1] == layer.k_head_dim
+        and value_states.shape[-1] == layer.v_head_dim
+        and key_states.dtype == layer.dtype
+        and key_states.device == layer.device
+    )
+
+
+def _tensor_counter(tensor_name: str) -> property:
+    """A Python-int view of a 0-d counter tensor; the tensor itself while compiling.
+
+    Compiled decode steps must never specialize on a Python integer that changes every step (transformers #44609):
+    the fixed-capacity layers keep their counters in tensors with static addresses, updated in place.
+    """
+
+    def getter(self) -> int | torch.Tensor:
+        tensor = getattr(self, tensor_name)
+        return tensor if is_torchdynamo_compiling() else int(tensor)
+
+    def setter(self, value: int) -> None:
+        getattr(self, tensor_name).fill_(value)
+
+    return property(getter, setter)
+
+
+def _mark_static(*tensors: torch.Tensor) -> None:
+    # Static addresses let compiled graphs (and CUDA graphs) reuse the same buffers; impossible while tracing.
+    if not is_torchdynamo_compiling():
+        for tensor in tensors:
+            torch._dynamo.mark_static_address(tensor)
 
 
 class _StorageLayer(CacheLayerMixin):
@@ -62,6 +108,9 @@ class _StorageLayer(CacheLayerMixin):
 
     def _prepare(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif self.get_seq_length() == 0 and not _same_layout(self, key_states, value_states):
+            # An empty (new or reset) cache may take any batch size / dtype / device: reallocate.
             self.lazy_initialization(key_states, value_states)
         else:
             _check_shapes(self, key_states, value_states)
@@ -135,6 +184,7 @@ class RingSlidingLayer(_StorageLayer):
         self.rollback_margin = int(rollback_margin)
         self._oldest = 0  # lowest absolute position still held in the ring
         self.record_past = False
+        self._slot_ids = torch.arange(self.max_slots)
 
     @property
     def max_slots(self) -> int:
@@ -142,7 +192,7 @@ class RingSlidingLayer(_StorageLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._allocate(key_states, value_states, self.max_slots)
-        self._slot_ids = torch.arange(self.max_slots, device=self.device)
+        self._slot_ids = self._slot_ids.to(self.device)
 
     def activate_past_recording(self) -> None:
         """Called by assisted / prompt-lookup decoding before steps that may be rolled back with `crop(-n)`.
@@ -378,6 +428,7 @@ class StaticFullLayer(_StorageLayer):
 
     is_sliding = False
     is_compileable = True
+    cumulative_length = _tensor_counter("length_tensor")
 
     def __init__(self, max_cache_len: int) -> None:
         if max_cache_len < 1:
@@ -389,18 +440,15 @@ class StaticFullLayer(_StorageLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._allocate(key_states, value_states, self.max_cache_len)
         self.length_tensor = self.length_tensor.to(self.device)
-        if not is_torchdynamo_compiling():
-            torch._dynamo.mark_static_address(self.keys)
-            torch._dynamo.mark_static_address(self.values)
-            torch._dynamo.mark_static_address(self.length_tensor)
+        _mark_static(self.keys, self.values, self.length_tensor)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._prepare(key_states, value_states)
         query_length = key_states.shape[-2]
-        if not is_torchdynamo_compiling():
-            end = int(self.length_tensor) + query_length
+        if not is_torchdynamo_compiling():  # shape checks read the counters: eager only
+            self._prepare(key_states, value_states)
+            end = self.cumulative_length + query_length
             if end > self.max_cache_len:
                 raise CacheCapacityError(
                     f"The full-attention layers were allocated for max_cache_len={self.max_cache_len} tokens, but "
@@ -416,18 +464,6 @@ class StaticFullLayer(_StorageLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
 
-    @property
-    def cumulative_length(self) -> int | torch.Tensor:
-        # The tensor is the only counter: a Python int would make compiled steps recompile per length (#44609).
-        return self.length_tensor if is_torchdynamo_compiling() else int(self.length_tensor)
-
-    @cumulative_length.setter
-    def cumulative_length(self, value: int) -> None:
-        self.length_tensor.fill_(value)
-
-    def get_seq_length(self) -> int | torch.Tensor:
-        return self.cumulative_length
-
     def get_max_length(self) -> int:
         return self.max_cache_len
 
@@ -438,6 +474,66 @@ class StaticFullLayer(_StorageLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # In place, to keep the static addresses that compiled graphs captured.
+        if self.is_initialized:
+            beam_idx = beam_idx.to(self.device)
+            self.keys.copy_(self.keys.index_select(0, beam_idx))
+            self.values.copy_(self.values.index_select(0, beam_idx))
+
+
+class StaticRingSlidingLayer(RingSlidingLayer):
+    """The ring of `RingSlidingLayer` with static addresses and tensor counters, for compiled decode steps.
+
+    A one-token step always writes slot `length % capacity` with `index_copy_` and returns the whole ring (also
+    before the wrap: empty slots get position `-1` and are masked), so every compiled decode step has the same
+    shapes and no branch on the cache length. Multi-token steps (prefill, not compiled) behave as in the parent.
+    """
+
+    is_compileable = True
+    cumulative_length = _tensor_counter("length_tensor")
+    _oldest = _tensor_counter("oldest_tensor")
+
+    def __init__(self, sliding_window: int, rollback_margin: int = 0) -> None:
+        self.length_tensor = torch.zeros((), dtype=torch.long)
+        self.oldest_tensor = torch.zeros((), dtype=torch.long)
+        super().__init__(sliding_window, rollback_margin)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.length_tensor = self.length_tensor.to(self.device)
+        self.oldest_tensor = self.oldest_tensor.to(self.device)
+        _mark_static(self.keys, self.values, self.length_tensor, self.oldest_tensor)
+
+    def _grow_for_rollback(self, needed_margin: int) -> None:
+        super()._grow_for_rollback(needed_margin)
+        _mark_static(self.keys, self.values)
+
+    def needs_ring_layout(self, query_length: int) -> bool:
+        return query_length == 1 or super().needs_ring_layout(query_length)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:
+        if query_length != 1:
+            return super().get_mask_sizes(query_length)
+        # Positions after writing position `length` at slot `length % capacity`; computed from the tensors alone.
+        written = self.length_tensor.to(self._slot_ids.device)
+        positions = written - torch.remainder(written - self._slot_ids, self.max_slots)
+        valid = positions >= self.oldest_tensor.to(self._slot_ids.device)
+        return self.max_slots, RingLayout(torch.where(valid, positions, -1))
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if key_states.shape[-2] != 1:
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not is_torchdynamo_compiling():
+            self._prepare(key_states, value_states)
+        slot = torch.remainder(self.length_tensor, self.max_slots).view(1)
+        self.keys.index_copy_(2, slot, key_states)
+        self.values.index_copy_(2, slot, value_states)
+        self.length_tensor.add_(1)
+        torch.maximum(self.oldest_tensor, self.length_tensor - self.max_slots, out=self.oldest_tensor)
+        return self.keys, self.values
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
             beam_idx = beam_idx.to(self.device)
             self.keys.copy_(self.keys.index_select(0, beam_idx))

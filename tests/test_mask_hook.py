@@ -1,0 +1,178 @@
+"""The mask hook: exact ring masks (overlays, padding), and no change at all for every other cache class."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import VOCAB, chunked_logits, tiny_gemma3
+from transformers import DynamicCache, StaticCache
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+)
+
+import hybrid_cache.mask_hook as mask_hook
+from hybrid_cache import HybridRingCache, RingLayout, UnsupportedAttentionError, install_mask_hook
+
+
+def run_other_caches(model, input_ids, attention_mask):
+    """Logits of DynamicCache / StaticCache runs with prefill, decode and a chunk past the window."""
+    results = {}
+    for name in ("dynamic", "static"):
+        cache = DynamicCache(config=model.config) if name == "dynamic" else StaticCache(model.config, max_cache_len=64)
+        results[name] = chunked_logits(model, cache, input_ids, [9, 1, 1, 5, 1, 3], attention_mask)
+    return results
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_other_caches_bit_identical(attn):
+    """Trap: a global hook must not change any other cache's results: compare with the hook removed."""
+    model = tiny_gemma3(window=4, attn=attn)
+    input_ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :6] = 0
+    install_mask_hook()
+    with_hook = run_other_caches(model, input_ids, attention_mask)
+    mask_hook.uninstall_mask_hook()
+    try:
+        assert not mask_hook.is_mask_hook_installed(attn)
+        without_hook = run_other_caches(model, input_ids, attention_mask)
+    finally:
+        install_mask_hook()
+    for name in with_hook:
+        assert torch.equal(with_hook[name], without_hook[name]), name
+
+
+def test_mask_functions_pass_through_exactly():
+    """For plain integer offsets the wrapped functions return exactly what the originals return."""
+    install_mask_hook()
+    for name in ("sdpa", "eager"):
+        wrapped = AttentionMaskInterface._global_mapping[name]
+        original = getattr(wrapped, mask_hook._HOOK_MARKER)
+        padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+        for kv_offset in (0, 2):
+            kwargs = dict(batch_size=2, q_length=3, kv_length=7 - kv_offset, q_offset=4, kv_offset=kv_offset,
+                          attention_mask=padding, allow_is_causal_skip=False)
+            expected, got = original(**kwargs), wrapped(**kwargs)
+            assert torch.equal(expected, got)
+
+
+def test_install_is_idempotent_and_thread_safe():
+    install_mask_hook()
+    before = dict(AttentionMaskInterface._global_mapping)
+    threads = [threading.Thread(target=install_mask_hook) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert AttentionMaskInterface._global_mapping == before
+    original = getattr(before["sdpa"], mask_hook._HOOK_MARKER)
+    assert not hasattr(original, mask_hook._HOOK_MARKER), "wrapped twice"
+
+
+def wrapped_ring_cache(model, attention_mask, length):
+    cache = HybridRingCache(model.config)
+    input_ids = torch.randint(3, VOCAB, (attention_mask.shape[0], length), generator=torch.Generator().manual_seed(1))
+    chunked_logits(model, cache, input_ids, [length - 3, 1, 1, 1], attention_mask[:, :length])
+    return cache
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("q_length", [1, 3])
+def test_ring_mask_equals_time_ordered_mask_with_overlays(attn, q_length):
+    """Ring mask == columns of the oracle's time-ordered mask at each slot's position, with an `or_mask_function`
+    and an `and_mask_function` overlay (the vmap path) and left padding longer than the window (trap 5)."""
+    window, length = 4, 14
+    model = tiny_gemma3(window=window, attn=attn)
+    config = model.config
+    attention_mask = torch.ones(2, length + q_length, dtype=torch.long)
+    attention_mask[1, :6] = 0
+    cache = wrapped_ring_cache(model, attention_mask, length)
+    sliding_idx = cache.is_sliding.index(True)
+    _, layout = cache.get_mask_sizes(q_length, sliding_idx)
+    assert isinstance(layout, RingLayout)
+    positions = layout.positions
+
+    def or_overlay(batch_idx, head_idx, q_idx, kv_idx):  # e.g. bidirectional image block: 10 <-> 12
+        return (q_idx >= 12) & (kv_idx == 10)
+
+    def and_overlay(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx != 11
+
+    embeds = torch.zeros(2, q_length, config.hidden_size)
+    full_embeds = torch.zeros(2, length + q_length, config.hidden_size)
+    for overlays in ({}, {"or_mask_function": or_overlay}, {"and_mask_function": and_overlay}):
+        ring_mask = create_sliding_window_causal_mask(config, embeds, attention_mask, cache, **overlays)
+        oracle = create_sliding_window_causal_mask(config, full_embeds, attention_mask, None, **overlays)
+        if attn == "eager":
+            ring_mask, oracle = ring_mask == 0, oracle == 0
+        if oracle is None:
+            continue
+        expected = oracle[:, :, length:, :][..., positions.clamp(min=0)] & (positions >= 0)
+        assert torch.equal(ring_mask, expected), overlays
+
+
+def test_full_layer_mask_unchanged():
+    """Full layers are time-ordered: their mask is transformers' own (plain integer offsets, no layout)."""
+    model = tiny_gemma3(window=4)
+    attention_mask = torch.ones(1, 15, dtype=torch.long)
+    cache = wrapped_ring_cache(model, attention_mask, 14)
+    full_idx = cache.is_sliding.index(False)
+    kv_length, kv_offset = cache.get_mask_sizes(1, full_idx)
+    assert (kv_length, kv_offset) == (15, 0)
+    embeds = torch.zeros(1, 1, model.config.hidden_size)
+    assert create_causal_mask(model.config, embeds, attention_mask, cache) is None  # sdpa may skip it, as before
+
+
+def test_unsupported_attention_raises():
+    """An attention implementation without transformers' mask functions cannot see the ring layout: clear error."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("custom_kernel", sdpa_attention_forward)
+    model = tiny_gemma3(window=3)
+    cache = HybridRingCache(model.config)
+    input_ids = torch.randint(3, VOCAB, (1, 8))
+    model.set_attn_implementation("custom_kernel")
+    with pytest.raises(UnsupportedAttentionError, match="attn_implementation"):
+        chunked_logits(model, cache, input_ids, [5, 1, 1, 1])
+
+
+def test_guarded_backends_refuse_ring_layout():
+    install_mask_hook()
+    layout = RingLayout(torch.tensor([4, 5, 2, 3]))
+    for name in ("flash_attention_2", "flex_attention"):
+        if name in AttentionMaskInterface._global_mapping:
+            with pytest.raises(UnsupportedAttentionError, match=name):
+                AttentionMaskInterface._global_mapping[name](
+                    batch_size=1, q_length=1, kv_length=4, q_offset=5, kv_offset=layout
+                )
+
+
+def test_local_override_cannot_silently_misuse_layout():
+    """A locally overridden mask function that does integer arithmetic on kv_offset gets a clear error."""
+    layout = RingLayout(torch.tensor([4, 5, 2, 3]))
+    with pytest.raises(UnsupportedAttentionError, match="kv_offset"):
+        _ = 4 + layout
+    with pytest.raises(UnsupportedAttentionError):
+        torch.arange(4) + int(layout)
+
+
+def test_prepared_4d_mask_after_wrap_raises():
+    """A user-prepared 4D mask bypasses mask creation; after the wrap that would be wrong, so it raises."""
+    model = tiny_gemma3(window=3)
+    cache = HybridRingCache(model.config)
+    input_ids = torch.randint(3, VOCAB, (1, 8))
+    chunked_logits(model, cache, input_ids[:, :6], [6])
+    mask_4d = torch.ones(1, 1, 1, 7, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="4D attention mask"):
+        model(input_ids=input_ids[:, 6:7], attention_mask=mask_4d, past_key_values=cache)
+
+
+def test_mask_interface_default_instance_sees_hook():
+    install_mask_hook()
+    assert ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is AttentionMaskInterface._global_mapping["sdpa"]
