@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DummyLayer
 from transformers.configuration_utils import PreTrainedConfig
-
 from transformers.utils import is_torchdynamo_compiling
 
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
@@ -122,7 +121,8 @@ class HybridRingCache(Cache):
         max_cache_len (`int`, *optional*): fixed capacity of the full-attention layers (prompt + new tokens). Makes
             the cache compileable; exceeding it raises `CacheCapacityError`. Default: storage that grows.
         rollback_margin (`int`, defaults to 0): extra ring slots so that `crop(-n)` is exact for
-            `n <= rollback_margin + 1` after the wrap. Assisted decoding grows it automatically when needed.
+            `n <= rollback_margin + 1` after the wrap. Not needed for `generate`'s assisted / prompt-lookup decoding:
+            with past recording on, the last multi-token step can always be undone exactly.
         initial_capacity (`int`, defaults to 0): minimum first allocation of the growing full-attention buffers
             (the default allocates the prompt length, so a layer never holds more than twice its tokens).
 

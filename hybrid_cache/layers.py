@@ -10,6 +10,8 @@ exactly what transformers calls `cache_position`. A ring of `capacity` slots kee
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.utils import is_torchdynamo_compiling
@@ -152,6 +154,17 @@ class _StorageLayer(CacheLayerMixin):
             self.batch_size = self.keys.shape[0]
 
 
+class _StepUndo(NamedTuple):
+    """What `crop` needs to undo the last multi-token step of a wrapped ring (kept only while recording past)."""
+
+    length: int  # cache length before the step
+    oldest: int  # oldest held position before the step
+    held_keys: torch.Tensor | None  # the ring's slots before the step (None: nothing was held)
+    held_values: torch.Tensor | None
+    new_keys: torch.Tensor  # the step's tokens
+    new_values: torch.Tensor
+
+
 class RingSlidingLayer(_StorageLayer):
     """A sliding-window layer stored as a ring of `sliding_window + rollback_margin` slots.
 
@@ -184,6 +197,7 @@ class RingSlidingLayer(_StorageLayer):
         self.rollback_margin = int(rollback_margin)
         self._oldest = 0  # lowest absolute position still held in the ring
         self.record_past = False
+        self._undo: _StepUndo | None = None
         self._slot_ids = torch.arange(self.max_slots)
 
     @property
@@ -197,8 +211,9 @@ class RingSlidingLayer(_StorageLayer):
     def activate_past_recording(self) -> None:
         """Called by assisted / prompt-lookup decoding before steps that may be rolled back with `crop(-n)`.
 
-        While recording, a multi-token step of `n` tokens grows the ring (once, geometrically) so that the whole step
-        can be rolled back exactly; outside recording, rollback is limited to `rollback_margin + 1` tokens.
+        While recording, a wrapped multi-token step keeps the copy of the window it already makes (`cat` of the held
+        slots and the new tokens) until the next update, so `crop` can undo any part of that step exactly without
+        growing the ring. Rollback of tokens from earlier steps is limited to `rollback_margin + 1` tokens.
         """
         self.record_past = True
 
@@ -207,9 +222,24 @@ class RingSlidingLayer(_StorageLayer):
         """True while slot `i` holds position `i` for every returned slot: the standard mask is then exact."""
         return self._oldest == 0 and self.cumulative_length + query_length <= self.max_slots
 
+    def _step_kind(self, query_length: int) -> str:
+        """How a step of `query_length` tokens is stored and returned; `get_mask_sizes` and `update` both use it, so
+        the layout told to the mask is always the layout of the returned keys (trap 3).
+
+        - "ordered": the ring has not wrapped and will not: write in place, return slots `[0, length + q)`.
+        - "decode": one token into a wrapped ring: write slot `length % capacity`, return the whole ring.
+        - "fresh": nothing held (a prompt longer than the ring): return the new tokens, keep the newest.
+        - "concat": return the held slots followed by the new tokens, then keep the newest.
+        """
+        if self._is_time_ordered(query_length):
+            return "ordered"
+        if query_length == 1:
+            return "decode"
+        return "fresh" if self.cumulative_length == self._oldest else "concat"
+
     def needs_ring_layout(self, query_length: int) -> bool:
         """True when the keys returned for this step are not in time order (a `RingLayout` describes them)."""
-        return not self._is_time_ordered(query_length) and self.cumulative_length != self._oldest
+        return self._step_kind(query_length) in ("decode", "concat")
 
     def _slot_positions(self, length: int) -> torch.Tensor:
         """Absolute position held by every slot when `length` tokens have been written, `-1` where empty/stale."""
@@ -218,13 +248,12 @@ class RingSlidingLayer(_StorageLayer):
         return torch.where(positions >= self._oldest, positions, -1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:
-        length = self.cumulative_length
-        if self._is_time_ordered(query_length):
+        length, kind = self.cumulative_length, self._step_kind(query_length)
+        if kind == "ordered":
             return length + query_length, 0
-        if length == self._oldest:  # nothing held (fresh prompt longer than the ring): new tokens only, in order
+        if kind == "fresh":
             return query_length, length
-        if query_length == 1:
-            # In-place decode: the ring after writing position `length`.
+        if kind == "decode":  # the ring after writing position `length`
             return self.max_slots, RingLayout(self._slot_positions(length + 1))
         new_positions = torch.arange(length, length + query_length, device=self._slot_ids.device)
         return self.max_slots + query_length, RingLayout(torch.cat([self._slot_positions(length), new_positions]))
@@ -242,34 +271,34 @@ class RingSlidingLayer(_StorageLayer):
         self._prepare(key_states, value_states)
         query_length = key_states.shape[-2]
         length = self.cumulative_length
-        # Growing for rollback never changes the layout `get_mask_sizes` announced for this step: a time-ordered
-        # ring stays time-ordered, and a wrapped ring is copied out (below) before the growth.
-        grow = self.record_past and query_length > 1
+        self._undo = None
+        kind = self._step_kind(query_length)
 
-        if self._is_time_ordered(query_length):
-            if grow:
-                self._grow_for_rollback(query_length - 1)
+        if kind == "ordered":  # nothing is overwritten: any rollback stays exact
             end = length + query_length
             self.keys[:, :, length:end].copy_(key_states)
             self.values[:, :, length:end].copy_(value_states)
             self._advance(query_length)
             return self.keys[:, :, :end], self.values[:, :, :end]
 
-        if query_length == 1:
+        if kind == "decode":
             slot = length % self.max_slots
             self.keys[:, :, slot : slot + 1].copy_(key_states)
             self.values[:, :, slot : slot + 1].copy_(value_states)
             self._advance(1)
             return self.keys, self.values
 
-        if length == self._oldest:
+        if kind == "fresh":
             returned_keys, returned_values = key_states, value_states
+            held_keys = held_values = None
         else:
             # The held window must be copied out before the write below overwrites it.
             returned_keys = torch.cat([self.keys, key_states], dim=-2)
             returned_values = torch.cat([self.values, value_states], dim=-2)
-        if grow:
-            self._grow_for_rollback(query_length - 1)
+            held_keys, held_values = returned_keys[:, :, : self.max_slots], returned_values[:, :, : self.max_slots]
+        if self.record_past:
+            # Speculative step: keep what `crop` needs to undo it (views of tensors that exist anyway).
+            self._undo = _StepUndo(length, self._oldest, held_keys, held_values, key_states, value_states)
         self._write_newest(key_states, value_states)
         return returned_keys, returned_values
 
@@ -293,24 +322,6 @@ class RingSlidingLayer(_StorageLayer):
         self.cumulative_length += query_length
         self._oldest = max(self._oldest, self.cumulative_length - self.max_slots)
 
-    def _grow_for_rollback(self, needed_margin: int) -> None:
-        """Enlarge the ring (geometrically, rarely) so the next multi-token step can be rolled back exactly."""
-        if self.rollback_margin >= needed_margin:
-            return
-        new_margin = max(needed_margin, 2 * self.rollback_margin)
-        new_capacity = self.sliding_window + new_margin
-        held = torch.arange(self._oldest, self.cumulative_length, device=self.device)
-        new_keys = self.keys.new_zeros(self.keys.shape[:2] + (new_capacity, self.k_head_dim))
-        new_values = self.values.new_zeros(self.values.shape[:2] + (new_capacity, self.v_head_dim))
-        if held.numel():
-            old_slots = held % self.max_slots
-            new_slots = held % new_capacity
-            new_keys[:, :, new_slots] = self.keys[:, :, old_slots]
-            new_values[:, :, new_slots] = self.values[:, :, old_slots]
-        self.keys, self.values = new_keys, new_values
-        self.rollback_margin = new_margin
-        self._slot_ids = torch.arange(new_capacity, device=self.device)
-
     # --- protocol -------------------------------------------------------------------------------------------------
     def get_max_length(self) -> int:
         return self.max_slots
@@ -319,12 +330,14 @@ class RingSlidingLayer(_StorageLayer):
         super().reset()
         self._oldest = 0
         self.record_past = False
+        self._undo = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Roll back the last `-tokens_to_remove` tokens (negative, transformers' convention), exactly or not at all.
 
         The next query (at the new length `L`) needs positions `L - W + 1 .. L - 1`; they are all still held iff
-        `_oldest <= max(0, L - W + 1)`. Otherwise the ring already overwrote them and we raise.
+        `_oldest <= max(0, L - W + 1)`. Otherwise, if past recording is on and `L` falls inside the last multi-token
+        step, that step is undone from its saved copy and its first tokens rewritten; else we raise.
         """
         if tokens_to_remove > 0:
             # Legacy transformers convention: a positive value is the length to keep.
@@ -334,21 +347,31 @@ class RingSlidingLayer(_StorageLayer):
                                  f"{self.cumulative_length} are cached.")
         remove = -tokens_to_remove
         if remove == 0:
-            self.record_past = False
             return
         new_length = self.cumulative_length - remove
         if new_length < 0:
             raise RollbackError(f"Cannot remove {remove} tokens: only {self.cumulative_length} are cached.")
-        if self._oldest > max(0, new_length - self.sliding_window + 1):
-            raise RollbackError(
+        if self._oldest <= max(0, new_length - self.sliding_window + 1):
+            self.cumulative_length = new_length
+            return
+        undo = self._undo
+        if undo is not None and undo.length <= new_length:
+            self._undo = None
+            if undo.held_keys is not None:
+                self.keys.copy_(undo.held_keys)
+                self.values.copy_(undo.held_values)
+            self.cumulative_length, self._oldest = undo.length, undo.oldest
+            kept = new_length - undo.length
+            if kept:
+                self._write_newest(undo.new_keys[:, :, :kept], undo.new_values[:, :, :kept])
+            return
+        raise RollbackError(
                 f"Cannot roll back {remove} tokens exactly: the sliding-window ring ({self.max_slots} slots = window "
                 f"{self.sliding_window} + margin {self.rollback_margin}) already overwrote tokens the next query "
                 f"needs (it can undo at most {self.rollback_margin + 1} tokens after the wrap). Create the cache with "
                 f"`HybridRingCache(config, rollback_margin=N)` for N >= {remove - 1}, or call "
                 f"`cache.activate_past_recording()` before the speculative step."
             )
-        self.cumulative_length = new_length
-        self.record_past = False
 
 
 class GrowableFullLayer(_StorageLayer):
@@ -503,10 +526,6 @@ class StaticRingSlidingLayer(RingSlidingLayer):
         self.oldest_tensor = self.oldest_tensor.to(self.device)
         _mark_static(self.keys, self.values, self.length_tensor, self.oldest_tensor)
 
-    def _grow_for_rollback(self, needed_margin: int) -> None:
-        super()._grow_for_rollback(needed_margin)
-        _mark_static(self.keys, self.values)
-
     def needs_ring_layout(self, query_length: int) -> bool:
         return query_length == 1 or super().needs_ring_layout(query_length)
 
@@ -526,6 +545,7 @@ class StaticRingSlidingLayer(RingSlidingLayer):
             return super().update(key_states, value_states, *args, **kwargs)
         if not is_torchdynamo_compiling():
             self._prepare(key_states, value_states)
+            self._undo = None
         slot = torch.remainder(self.length_tensor, self.max_slots).view(1)
         self.keys.index_copy_(2, slot, key_states)
         self.values.index_copy_(2, slot, value_states)

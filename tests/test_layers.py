@@ -164,45 +164,73 @@ class TestRollback:
         layer.crop(-1)  # W-1 = 3 past keys are still held for the query at 9
         assert layer.get_seq_length() == 9
 
-    def test_recording_grows_ring_for_multi_token_step(self):
-        """activate_past_recording(): a 5-token step grows the ring so it can be undone exactly."""
+    def test_recording_undoes_last_step_without_growing(self):
+        """activate_past_recording(), W=4, M=0: verify a 5-token step after the wrap, keep 1 of it: exact, and the
+        ring stays 4 slots (the step's own copy of the window is what makes the rollback exact)."""
         layer = RingSlidingLayer(4)
         step(layer, 0, 10)
         layer.activate_past_recording()
-        step(layer, 10, 5)
-        assert layer.capacity >= 4 + 4
-        layer.crop(-4)
+        step(layer, 10, 5)  # 10..14, ring now holds 11..14
+        layer.crop(-4)  # keep only 10
+        assert layer.capacity == 4 and layer.get_seq_length() == 11
+        assert held(layer) == [8, 9, 10, 7]
         returned, positions = step(layer, 11, 1)
         assert {p: k for p, k in zip(positions, returned) if 7 < p <= 11} == {8: 8, 9: 9, 10: 10, 11: 11}
 
-    def test_random_schedule_with_rollbacks_matches_reference(self):
-        """Property test: random steps and legal rollbacks; each step's returned window equals the reference list."""
+    def test_recording_stays_on_across_crops(self):
+        """transformers activates recording once per generate: it must survive crop(0) and rollbacks (prompt lookup
+        with a short prompt first proposes 1 candidate, later 4)."""
+        layer = RingSlidingLayer(6)
+        layer.activate_past_recording()
+        step(layer, 0, 2)
+        layer.crop(0)
+        for position in range(2, 10):
+            step(layer, position, 1)
+            layer.crop(0)
+        step(layer, 10, 5)
+        layer.crop(-4)
+        assert layer.get_seq_length() == 11 and layer.capacity == 6
+        _, positions = step(layer, 11, 1)
+        assert sorted(p for p in positions if p > 11 - 6) == [6, 7, 8, 9, 10, 11]
+
+    @pytest.mark.parametrize("record", [False, True], ids=["margin-only", "recording"])
+    def test_random_schedule_with_rollbacks_matches_reference(self, record):
+        """Property test: random steps and rollbacks; every query's whole window is returned, and a rollback raises
+        exactly when neither the margin nor (while recording) the last step's saved copy can make it exact."""
         rng = random.Random(0)
-        for trial in range(30):
+        for trial in range(200):
             window, margin = rng.randint(1, 6), rng.randint(0, 4)
             layer = RingSlidingLayer(window, rollback_margin=margin)
+            if record:
+                layer.activate_past_recording()
             history: list[int] = []  # reference: every token position currently in the sequence
+            last_step_start = None
             for _ in range(25):
-                if history and rng.random() < 0.25:
-                    undo = rng.randint(1, margin + 1)
-                    undo = min(undo, len(history))
+                if history and rng.random() < 0.3:
+                    undo = min(rng.randint(1, 2 * window + 2), len(history))
+                    new_length = len(history) - undo
+                    by_margin = layer._oldest <= max(0, new_length - window + 1)
+                    by_undo = record and last_step_start is not None and new_length >= last_step_start
                     try:
                         layer.crop(-undo)
                     except RollbackError:
-                        # only legal when the ring really lost a needed token
-                        assert layer._oldest > max(0, len(history) - undo - window + 1)
+                        assert not (by_margin or by_undo), f"trial {trial}: legal rollback refused"
                         continue
+                    assert by_margin or by_undo, f"trial {trial}: rollback accepted but not exact"
                     del history[-undo:]
+                    if not by_margin:  # the saved step was used up; a margin rollback leaves it valid
+                        last_step_start = None
                     continue
                 count = rng.choice([1, 1, 1, 2, window, window + 1, 2 * window + 1])
                 start = len(history)
                 returned, positions = step(layer, start, count)
+                last_step_start = start if count > 1 else None
                 history.extend(range(start, start + count))
                 present = {p for p in positions if p >= 0}
                 for query in range(start, start + count):
                     needed = set(range(max(0, query - window + 1), query + 1))
                     assert needed <= present, f"trial {trial}: query {query} misses {needed - present}"
-
+                assert layer.capacity == window + margin
 
 class TestFullLayers:
     def test_growable_appends_and_doubles(self):
