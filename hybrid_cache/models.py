@@ -249,6 +249,12 @@ def _load_dir(path: str | Path, *, dtype: torch.dtype, attn_implementation: str,
     model = AutoModelForCausalLM.from_pretrained(
         str(path), config=config, dtype=dtype, attn_implementation=attn_implementation, **hub_kwargs
     )
+    local = Path(path)
+    if local.is_dir() and not any((local / f).is_file() for f in _TOKENIZER_FILES):
+        # transformers 5 would happily build an *empty* tokenizer (5 special tokens) for a bare checkpoint:
+        # return None instead, so callers fail clearly rather than tokenize text into garbage.
+        logger.warning("no tokenizer files in %s; returning tokenizer=None", path)
+        return model, None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), **hub_kwargs)
     except (OSError, ValueError, TypeError) as exc:
@@ -256,6 +262,11 @@ def _load_dir(path: str | Path, *, dtype: torch.dtype, attn_implementation: str,
         logger.warning("no usable tokenizer in %s (%s); returning tokenizer=None", path, exc)
         tokenizer = None
     return model, tokenizer
+
+
+#: Any of these in a checkpoint directory means it ships a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
 
 
 def _looks_like_path(name: str) -> bool:

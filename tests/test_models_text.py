@@ -1,0 +1,327 @@
+"""Fast tests (CPU, no download) for text loading, model loading errors and the perplexity evaluator / CLI.
+
+The perplexity tests use a tiny random Gemma 3 and a tiny BPE tokenizer trained on the spot with `tokenizers`,
+both saved to a temp dir, so the whole CLI path (load_model of a local dir -> tokenize -> stream -> JSON/PNG) runs
+without any real model.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from hybrid_cache import models
+from hybrid_cache.perplexity import (
+    CACHE_NAMES,
+    evaluate_perplexity,
+    full_cache_bytes_per_token,
+    has_sliding_layers,
+    kv_bytes,
+    main,
+)
+from hybrid_cache.text import load_text
+
+SAMPLE = (
+    "To be, or not to be, that is the question:\n"
+    "Whether 'tis nobler in the mind to suffer\n"
+    "The slings and arrows of outrageous fortune,\n"
+    "Or to take arms against a sea of troubles\n"
+    "And by opposing end them. To die, to sleep;\n"
+)
+
+
+def _ring_available() -> bool:
+    try:
+        from hybrid_cache.cache import HybridRingCache  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _caches_here() -> list[str]:
+    """All caches, minus `ring` while HybridRingCache is not importable (it is tested once it is)."""
+    return [c for c in CACHE_NAMES if c != "ring" or _ring_available()]
+
+
+def tiny_model(vocab: int = 128, window: int = 6, layers: int = 6, softcap: float | None = None,
+               layer_types: list[str] | None = None, seed: int = 0) -> Gemma3ForCausalLM:
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=window, max_position_embeddings=4096,
+        final_logit_softcapping=softcap, layer_types=layer_types, attn_implementation="sdpa",
+        pad_token_id=0, bos_token_id=2, eos_token_id=1,
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
+def tiny_tokenizer(text: str):
+    """A byte-level BPE tokenizer trained on `text` (no download), ids 0..3 = pad, eos, bos, unk like Gemma."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors, trainers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny Gemma 3 checkpoint + tokenizer in a directory, loadable with `load_model(dir)`."""
+    d = tmp_path_factory.mktemp("tiny_gemma3")
+    tokenizer = tiny_tokenizer(SAMPLE * 4)
+    model = tiny_model(vocab=len(tokenizer))
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+# ---------------------------------------------------------------- text
+
+
+def test_default_text_is_britannica_prose():
+    text, desc = load_text()
+    assert "Britannica" in desc
+    assert text.startswith("Shakespeare, William (1564")
+    assert "Stratford" in text[:2000]
+    assert "### START" not in text and "p.772:0" not in text  # OCR scaffolding stripped
+    assert len(text) > 200_000
+
+
+def test_shakespeare_play():
+    text, desc = load_text("shakespeare:hamlet")
+    assert "hamlet" in desc
+    assert "HAMLET" in text[:100]
+    with pytest.raises(FileNotFoundError, match="unknown play 'no_such_play'.*hamlet"):
+        load_text("shakespeare:no_such_play")
+
+
+def test_local_plain_and_gz(tmp_path):
+    plain = tmp_path / "a.txt"
+    plain.write_text(SAMPLE)
+    gz = tmp_path / "a.txt.gz"
+    with gzip.open(gz, "wt") as fh:
+        fh.write(SAMPLE)
+    text_plain, desc = load_text(plain)
+    text_gz, _ = load_text(str(gz))
+    assert text_plain == SAMPLE == text_gz  # newlines (and the blank structure) are kept
+    assert desc == str(plain)
+
+
+def test_text_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_text(tmp_path / "missing.txt")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_text("./missing.txt.gz")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="empty"):
+        load_text(empty)
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_text(tmp_path)
+    with pytest.raises(ValueError, match="name\\[:config\\[:split\\]\\]"):
+        load_text("a:b:c:d")
+
+
+# ---------------------------------------------------------------- models
+
+
+def test_load_model_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        models.load_model(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        models.load_model("./no/such/model.gguf")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        models.load_model(tmp_path)
+
+
+def test_load_model_local_dir(tiny_dir, tmp_path):
+    model, tokenizer = models.load_model(tiny_dir)
+    assert isinstance(model, Gemma3ForCausalLM) and not model.training
+    assert tokenizer is not None and tokenizer("To be").input_ids[0] == 2  # BOS first
+    # A bare checkpoint (no tokenizer files) still loads: tokenizer is None.
+    tiny_model().save_pretrained(tmp_path / "bare")
+    model, tokenizer = models.load_model(tmp_path / "bare", dtype="bfloat16")
+    assert tokenizer is None and next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_converted_manifest_validation(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_CACHE_HOME", str(tmp_path / "home"))
+    assert models.cache_home() == tmp_path / "home"
+    d = tmp_path / "conv"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"x" * 100)
+    (d / "config.json").write_text("{}")
+    assert not models._converted_is_valid(d, "abc")  # no manifest: an interrupted conversion
+    (d / "manifest.json").write_text(json.dumps(models._manifest_for(d, "abc")))
+    assert models._converted_is_valid(d, "abc")
+    assert not models._converted_is_valid(d, "other-sha")  # another GGUF
+    (d / "model.safetensors").write_bytes(b"x" * 99)  # truncated
+    assert not models._converted_is_valid(d, "abc")
+    (d / "manifest.json").write_text("{not json")
+    assert not models._converted_is_valid(d, "abc")
+
+
+def test_gemma3_270m_config_check_fixes_wrong_fields():
+    config = Gemma3TextConfig(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
+    )
+    assert models._check_gemma3_270m_config(config) == []  # transformers' defaults match the official config
+    config.sliding_window = 4096
+    config.final_logit_softcapping = 30.0
+    fixes = models._check_gemma3_270m_config(config)
+    assert len(fixes) == 2 and config.sliding_window == 512 and config.final_logit_softcapping is None
+
+
+def test_make_serializable_drops_only_a_marker():
+    model = tiny_model()
+    model.config.quantization_config = {"quant_method": "gguf"}
+    assert models._make_serializable(model)
+    assert not hasattr(model.config, "quantization_config")
+
+
+# ---------------------------------------------------------------- perplexity core
+
+
+def _reference_nll(model, ids: torch.Tensor) -> float:
+    """Plain full-logits cross entropy (fine for a tiny vocab)."""
+    with torch.no_grad():
+        logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
+    return torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum").item()
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_none_matches_plain_cross_entropy(softcap):
+    model = tiny_model(softcap=softcap)
+    ids = torch.randint(4, 128, (41,), generator=torch.Generator().manual_seed(1))
+    res = evaluate_perplexity(model, ids, "none", chunk_size=8, logits_slice=7, progress=False)
+    ref = _reference_nll(model, ids)
+    assert res.predicted == 40 and res.tokens == 41
+    assert math.isclose(res.nll, ref, rel_tol=1e-5)
+    assert math.isclose(res.ppl, math.exp(ref / 40), rel_tol=1e-5)
+    assert res.kv_bytes == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize("cache", [c for c in CACHE_NAMES if c != "none"])
+def test_cached_runs_match_no_cache(cache, chunk):
+    if cache == "ring" and not _ring_available():
+        pytest.skip("hybrid_cache.cache.HybridRingCache is not importable yet")
+    model = tiny_model(window=6)
+    ids = torch.randint(4, 128, (41,), generator=torch.Generator().manual_seed(2))
+    ref = evaluate_perplexity(model, ids, "none", chunk_size=chunk, progress=False)
+    res = evaluate_perplexity(model, ids, cache, chunk_size=chunk, logits_slice=4, progress=False)
+    assert abs(res.ppl - ref.ppl) / ref.ppl < 1e-5, (cache, chunk, res.ppl, ref.ppl)
+    assert res.predicted == 40
+    assert [t for t, _ in res.kv_trace] == [min(e, 41) for e in range(chunk, 41 + chunk, chunk)]
+    assert res.kv_bytes > 0 and res.peak_rss_bytes > 0 and res.seconds > 0
+
+
+def test_kv_bytes_counts_dynamic_cache():
+    from transformers import DynamicCache
+
+    model = tiny_model(window=6, layers=6)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.arange(4, 24)[None], past_key_values=cache, use_cache=True)
+    # 5 sliding layers keep <= 20 tokens (transformers keeps window-1 = 5 after a prefill), 1 full layer keeps 20
+    per_token_layer = 2 * 2 * 8 * 4  # K+V, 2 KV heads, head_dim 8, fp32
+    assert per_token_layer * 20 <= kv_bytes(cache) <= per_token_layer * 20 * 6
+    assert kv_bytes(None) == 0
+
+
+def test_evaluate_errors():
+    model = tiny_model()
+    ids = torch.arange(4, 14)
+    with pytest.raises(ValueError, match="chunk size must be >= 1"):
+        evaluate_perplexity(model, ids, "dynamic", chunk_size=0, progress=False)
+    with pytest.raises(ValueError, match="fewer than one chunk \\+ 1"):
+        evaluate_perplexity(model, ids, "dynamic", chunk_size=10, progress=False)
+    with pytest.raises(ValueError, match="unknown cache 'paged'"):
+        evaluate_perplexity(model, ids, "paged", chunk_size=4, progress=False)
+
+
+def test_full_cache_bytes_and_sliding_detection():
+    gemma_270m = Gemma3TextConfig(num_hidden_layers=18, num_key_value_heads=1, head_dim=256, sliding_window=512)
+    assert full_cache_bytes_per_token(gemma_270m, torch.float32) == 18 * 2 * 1 * 256 * 4
+    assert full_cache_bytes_per_token(gemma_270m, torch.bfloat16) == 18 * 2 * 1 * 256 * 2
+    assert has_sliding_layers(gemma_270m)
+    assert not has_sliding_layers(tiny_model(layer_types=["full_attention"] * 6).config)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_end_to_end(tiny_dir, tmp_path, capsys):
+    text_file = tmp_path / "t.txt.gz"
+    with gzip.open(text_file, "wt") as fh:
+        fh.write(SAMPLE * 3)
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    caches = _caches_here()
+    rc = main([
+        "--model", str(tiny_dir), "--text", str(text_file), "--max-tokens", "60", "--chunk-size", "7",
+        "--caches", ",".join(caches), "--json", str(out_json), "--plot", str(out_png), "--no-progress",
+    ])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "ppl" in printed and "peak RSS" in printed
+    data = json.loads(out_json.read_text())
+    assert data["tokens"] == 60 and data["model"] == str(tiny_dir) and data["text"] == str(text_file)
+    assert [r["cache"] for r in data["results"]] == caches
+    ppls = [r["ppl"] for r in data["results"]]
+    assert max(ppls) / min(ppls) - 1 < 1e-5
+    for r in data["results"]:
+        assert {"cache", "ppl", "seconds", "kv_bytes", "peak_rss_bytes"} <= r.keys()
+        assert isinstance(r["kv_bytes"], int) and isinstance(r["peak_rss_bytes"], int)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_ring_skip_or_note_without_sliding_layers(tmp_path, capsys):
+    d = tmp_path / "nosliding"
+    tokenizer = tiny_tokenizer(SAMPLE * 4)
+    tiny_model(vocab=len(tokenizer), layer_types=["full_attention"] * 6).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    text_file = tmp_path / "t.txt"
+    text_file.write_text(SAMPLE * 3)
+    rc = main(["--model", str(d), "--text", str(text_file), "--max-tokens", "30", "--chunk-size", "8",
+               "--caches", "ring,none", "--no-progress"])
+    captured = capsys.readouterr()
+    assert "no sliding-window layers" in captured.out
+    if _ring_available():
+        assert rc == 0
+    else:
+        assert rc == 3 and "SKIPPED ring" in captured.err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--caches", "ring,paged"], "unknown cache"),
+        (["--chunk-size", "0"], "--chunk-size must be >= 1"),
+        (["--model", "/no/such/model_dir"], "does not exist"),
+        (["--chunk-size", "500", "--max-tokens", "100"], "fewer than one chunk \\+ 1"),
+    ],
+)
+def test_cli_errors(argv, message, tiny_dir, tmp_path, capsys):
+    text_file = tmp_path / "t.txt"
+    text_file.write_text(SAMPLE * 3)
+    base = ["--model", str(tiny_dir), "--text", str(text_file), "--no-progress"]
+    with pytest.raises(SystemExit) as excinfo:
+        main(base + argv)
+    assert excinfo.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
