@@ -12,7 +12,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import is_torchdynamo_compiling
 
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
-from .mask_hook import RingLayout, check_ring_attention_supported, install_mask_hook
+from .mask_hook import DenseMaskRequest, RingLayout, check_ring_attention_supported, install_mask_hook
 
 __all__ = ["HybridRingCache", "MemoryReport"]
 
@@ -124,7 +124,11 @@ class HybridRingCache(Cache):
             `n <= rollback_margin + 1` after the wrap. Not needed for `generate`'s assisted / prompt-lookup decoding:
             with past recording on, the last multi-token step can always be undone exactly.
         initial_capacity (`int`, defaults to 0): minimum first allocation of the growing full-attention buffers
-            (the default allocates the prompt length, so a layer never holds more than twice its tokens).
+            (the default allocates the prompt length; growth is by 1.25x).
+        dense_decode_mask (`bool`, *optional*): materialize the mask of one-token steps instead of letting SDPA run
+            without one. Default (`None`): on CPU for grouped-query layers, where transformers' mask-less path
+            (`enable_gqa`) is several times slower than its masked, packed path; never on accelerators, whose
+            mask-less kernels are the fast ones. Results are the same either way (same mask semantics).
 
     Example:
 
@@ -142,6 +146,7 @@ class HybridRingCache(Cache):
         max_cache_len: int | None = None,
         rollback_margin: int = 0,
         initial_capacity: int = 0,
+        dense_decode_mask: bool | None = None,
     ) -> None:
         if not isinstance(config, PreTrainedConfig):
             raise TypeError(
@@ -150,6 +155,10 @@ class HybridRingCache(Cache):
             )
         self.config = config.get_text_config(decoder=True)
         self.max_cache_len = max_cache_len
+        self.dense_decode_mask = dense_decode_mask
+        query_heads = self._per_layer_attribute("num_attention_heads", 1)
+        kv_heads = self._per_layer_attribute("num_key_value_heads", None)
+        self._grouped_query = [kv is not None and q > kv for q, kv in zip(query_heads, kv_heads)]
         self.layer_kinds: list[str] = []
         layers = []
         for kind, window in _layer_plan(self.config):
@@ -203,11 +212,21 @@ class HybridRingCache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int | RingLayout]:
         kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
+        if query_length == 1 and not isinstance(kv_offset, RingLayout) and self._wants_dense_mask(layer_idx):
+            return kv_length, DenseMaskRequest(kv_offset)
         if isinstance(kv_offset, RingLayout) and not is_torchdynamo_compiling():
             # Only a wrapped ring needs the hook: check now that it will be the one serving this mask.
             check_ring_attention_supported(getattr(self.config, "_attn_implementation", None))
             self._ring_mask_request = (self.layers[layer_idx].cumulative_length, query_length)
         return kv_length, kv_offset
+
+    def _wants_dense_mask(self, layer_idx: int) -> bool:
+        if self.max_cache_len is not None or layer_idx >= len(self.layers):
+            return False  # fixed mode: transformers already materializes one-token masks for compileable caches
+        if self.dense_decode_mask is not None:
+            return self.dense_decode_mask
+        device = getattr(self.layers[layer_idx], "device", None)
+        return device is not None and device.type == "cpu" and self._grouped_query[layer_idx]
 
     # --- protocol additions ---------------------------------------------------------------------------------------
     def activate_past_recording(self) -> None:
@@ -230,10 +249,12 @@ class HybridRingCache(Cache):
             head_dim = self._per_layer_attribute("head_dim", head_dim)
         super().early_initialization(batch_size, num_heads, head_dim, dtype, device)
 
-    def _per_layer_attribute(self, name: str, default: int) -> list[int]:
+    def _per_layer_attribute(self, name: str, default: int | None) -> list[int | None]:
+        """`name` for every layer, from the per-layer configs of heterogeneous configs (Gemma 4), where reading the
+        global attribute raises; `default` where a layer does not declare it."""
         per_layer = getattr(self.config, "per_layer_config", None)
         if per_layer is None:
-            return [default] * len(self.layers)
+            return [getattr(self.config, name, None) or default] * self.config.num_hidden_layers
         return [getattr(layer_config, name, None) or default for layer_config in per_layer]
 
     @property

@@ -10,6 +10,7 @@ exactly what transformers calls `cache_position`. A ring of `capacity` slots kee
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,11 @@ def _check_shapes(layer: CacheLayerMixin, key_states: torch.Tensor, value_states
             f"HybridRingCache layer was allocated for head sizes (k={layer.k_head_dim}, v={layer.v_head_dim}) but "
             f"received (k={key_states.shape[-1]}, v={value_states.shape[-1]}). Use one cache per model."
         )
+
+
+# Growth of time-ordered buffers. 1.25 keeps a full layer within 25% of its tokens (plus the prompt-sized first
+# allocation) while copying each token at most 1 / (1.25 - 1) = 4 times on average over a whole generation.
+GROWTH_FACTOR = 1.25
 
 
 def _same_layout(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
@@ -107,6 +113,21 @@ class _StorageLayer(CacheLayerMixin):
         self.keys = key_states.new_zeros((self.batch_size, self.num_heads, slots, self.k_head_dim))
         self.values = value_states.new_zeros((self.batch_size, self.num_heads, slots, self.v_head_dim))
         self.is_initialized = True
+
+    def _grow(self, needed: int, limit: int | None = None) -> None:
+        """Make room for `needed` time-ordered slots: grow by `GROWTH_FACTOR` (amortized O(1) per token), copying
+        only the held prefix `[:length]`; never beyond `limit`."""
+        if needed <= self.capacity:
+            return
+        new_capacity = max(needed, math.ceil(self.capacity * GROWTH_FACTOR))
+        if limit is not None:
+            new_capacity = min(new_capacity, limit)
+        length = self.cumulative_length
+        new_keys = self.keys.new_zeros(self.keys.shape[:2] + (new_capacity, self.k_head_dim))
+        new_values = self.values.new_zeros(self.values.shape[:2] + (new_capacity, self.v_head_dim))
+        new_keys[:, :, :length].copy_(self.keys[:, :, :length])
+        new_values[:, :, :length].copy_(self.values[:, :, :length])
+        self.keys, self.values = new_keys, new_values
 
     def _prepare(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if not self.is_initialized:
@@ -205,7 +226,9 @@ class RingSlidingLayer(_StorageLayer):
         return self.sliding_window + self.rollback_margin
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._allocate(key_states, value_states, self.max_slots)
+        # Short sequences never need the whole window: start at the first step's size and grow (while the ring is
+        # still in time order) up to `max_slots`, so a 60-token chat holds 60 slots, not 512.
+        self._allocate(key_states, value_states, min(self.max_slots, key_states.shape[-2]))
         self._slot_ids = self._slot_ids.to(self.device)
 
     def activate_past_recording(self) -> None:
@@ -276,11 +299,14 @@ class RingSlidingLayer(_StorageLayer):
 
         if kind == "ordered":  # nothing is overwritten: any rollback stays exact
             end = length + query_length
+            self._grow(end, limit=self.max_slots)
             self.keys[:, :, length:end].copy_(key_states)
             self.values[:, :, length:end].copy_(value_states)
             self._advance(query_length)
             return self.keys[:, :, :end], self.values[:, :, :end]
 
+        # From here on the ring has (or gets) all its slots; the held prefix keeps its slots `p % capacity == p`.
+        self._grow(self.max_slots, limit=self.max_slots)
         if kind == "decode":
             slot = length % self.max_slots
             self.keys[:, :, slot : slot + 1].copy_(key_states)
@@ -379,11 +405,12 @@ class GrowableFullLayer(_StorageLayer):
 
     Returns a time-ordered view `[:, :, :length]`, so transformers' standard causal mask applies unchanged.
     Unlike `DynamicLayer`, a decode step copies only the new token: the history is copied only when the buffer
-    doubles (a total of at most `2 x length` token copies over a whole generation instead of `length^2 / 2`).
+    grows by `GROWTH_FACTOR` (on average at most 4 copies of each token over a whole generation, instead of
+    `length / 2` for a per-step `torch.cat`).
 
     Args:
         initial_capacity (`int`, defaults to 0): slots allocated at the first update (or the prompt length if larger).
-            With the default, a layer never holds more than twice the tokens it has seen.
+            With the default, a layer holds at most `ceil(1.25 x tokens)` slots once it has grown.
     """
 
     is_sliding = False
@@ -395,17 +422,6 @@ class GrowableFullLayer(_StorageLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._allocate(key_states, value_states, max(self.initial_capacity, key_states.shape[-2]))
 
-    def _reserve(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
-        new_capacity = max(needed, 2 * self.capacity)
-        length = self.cumulative_length
-        new_keys = self.keys.new_empty(self.keys.shape[:2] + (new_capacity, self.k_head_dim))
-        new_values = self.values.new_empty(self.values.shape[:2] + (new_capacity, self.v_head_dim))
-        new_keys[:, :, :length].copy_(self.keys[:, :, :length])
-        new_values[:, :, :length].copy_(self.values[:, :, :length])
-        self.keys, self.values = new_keys, new_values
-
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,7 +429,7 @@ class GrowableFullLayer(_StorageLayer):
         self._prepare(key_states, value_states)
         start = self.cumulative_length
         end = start + key_states.shape[-2]
-        self._reserve(end)
+        self._grow(end)
         self.keys[:, :, start:end].copy_(key_states)
         self.values[:, :, start:end].copy_(value_states)
         self.cumulative_length = end
@@ -521,7 +537,9 @@ class StaticRingSlidingLayer(RingSlidingLayer):
         super().__init__(sliding_window, rollback_margin)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
+        # All slots at once: compiled steps need one static buffer for the whole generation.
+        self._allocate(key_states, value_states, self.max_slots)
+        self._slot_ids = self._slot_ids.to(self.device)
         self.length_tensor = self.length_tensor.to(self.device)
         self.oldest_tensor = self.oldest_tensor.to(self.device)
         _mark_static(self.keys, self.values, self.length_tensor, self.oldest_tensor)

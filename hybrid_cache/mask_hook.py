@@ -28,6 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 __all__ = [
     "SUPPORTED_ATTN_IMPLEMENTATIONS",
+    "DenseMaskRequest",
     "RingLayout",
     "UnsupportedAttentionError",
     "install_mask_hook",
@@ -78,6 +79,26 @@ class RingLayout:
     __add__ = __radd__ = __sub__ = __rsub__ = __int__ = __index__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
 
 
+class DenseMaskRequest:
+    """A time-ordered `kv_offset` whose mask must be materialized (never replaced by SDPA's `is_causal` / no mask).
+
+    Why: for a one-token step transformers skips the mask when nothing is padded, and its SDPA integration then runs
+    grouped-query attention with `enable_gqa=True`; on CPU that kernel is several times slower than the packed path
+    transformers takes when a mask is present (measured 240 ms vs 24 ms per full layer at 16384 tokens x batch 8,
+    bf16; see docs/benchmarks.md). The mask itself is exactly transformers' own for `offset`.
+    """
+
+    __slots__ = ("offset",)
+
+    def __init__(self, offset: int):
+        self.offset = offset
+
+    def __repr__(self) -> str:
+        return f"DenseMaskRequest(offset={self.offset})"
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __int__ = __index__ = RingLayout._refuse
+
+
 def _ring_mask_function(
     mask_function: Callable, positions: torch.Tensor, padding_mask: torch.Tensor | None
 ) -> Callable:
@@ -118,6 +139,9 @@ def _make_ring_aware(original: Callable) -> Callable:
         attention_mask: torch.Tensor | None = None,
         **kwargs,
     ):
+        if isinstance(kv_offset, DenseMaskRequest):
+            kwargs["allow_is_causal_skip"] = False
+            kv_offset = kv_offset.offset
         if not isinstance(kv_offset, RingLayout):
             # Exact pass-through: every other cache (and ring layers still in time order) is untouched.
             return original(
@@ -164,6 +188,8 @@ def _make_guard(original: Callable, name: str) -> Callable:
     """Wrap a mask function that cannot serve a ring layout so it fails loudly instead of silently."""
 
     def guarded_mask(*args, **kwargs):
+        if isinstance(kwargs.get("kv_offset"), DenseMaskRequest):  # time-ordered: any backend can serve it
+            kwargs["kv_offset"] = kwargs["kv_offset"].offset
         if isinstance(kwargs.get("kv_offset"), RingLayout):
             raise UnsupportedAttentionError(
                 f"attn_implementation={name!r} cannot attend over HybridRingCache's ring buffers (its mask cannot "

@@ -49,7 +49,7 @@ def step(layer: RingSlidingLayer, start: int, count: int) -> tuple[list[int], li
 def held(layer: RingSlidingLayer) -> list[int]:
     """Ring content in slot order, `-1` for slots the ring does not count as held."""
     positions = layer._slot_positions(layer.cumulative_length).tolist()
-    contents = as_list(layer.keys)
+    contents = as_list(layer.keys) + [-1] * (layer.max_slots - layer.capacity)  # slots not allocated yet
     return [c if p >= 0 else -1 for c, p in zip(contents, positions)]
 
 
@@ -79,14 +79,34 @@ class TestRingContents:
         """W=4: prefill [0,1,2]; decode 3..14 one by one: each step writes one slot and the ring holds the last 4."""
         layer = RingSlidingLayer(4)
         step(layer, 0, 3)
-        storage = layer.keys.data_ptr()
         for position in range(3, 15):
             returned, positions = step(layer, position, 1)
             expected = {p % 4: p for p in range(max(0, position - 3), position + 1)}
             assert held(layer) == [expected.get(slot, -1) for slot in range(4)]
             assert sorted(p for p in positions if p >= 0) == list(range(max(0, position - 3), position + 1))
+            if position == 3:
+                storage = layer.keys.data_ptr()  # all 4 slots allocated from here on
             assert layer.keys.data_ptr() == storage, "decode must write in place (no reallocation)"
         assert held(layer) == [12, 13, 14, 11]
+
+    def test_ring_grows_up_to_window_then_wraps(self):
+        """W=8: prefill 2 -> 2 slots; decode grows the (time-ordered) buffer to 3, 4, 5, 7, 8 slots, never more."""
+        layer = RingSlidingLayer(8)
+        step(layer, 0, 2)
+        capacities = []
+        for position in range(2, 12):
+            step(layer, position, 1)
+            capacities.append(layer.capacity)
+        assert capacities == [3, 4, 5, 7, 7, 8, 8, 8, 8, 8]
+        assert held(layer) == [8, 9, 10, 11, 4, 5, 6, 7]
+
+    def test_chunk_wraps_a_small_ring(self):
+        """W=8: prefill 3 (3 slots), then a 7-token chunk crosses the window: the ring takes all 8 slots at once."""
+        layer = RingSlidingLayer(8)
+        step(layer, 0, 3)
+        returned, positions = step(layer, 3, 7)
+        assert positions[:8] == [0, 1, 2, -1, -1, -1, -1, -1] and positions[8:] == list(range(3, 10))
+        assert layer.capacity == 8 and held(layer) == [8, 9, 2, 3, 4, 5, 6, 7]
 
     def test_decode_returns_ring_itself(self):
         """After the wrap a one-token step returns the ring storage (no copy of the window)."""
@@ -230,28 +250,30 @@ class TestRollback:
                 for query in range(start, start + count):
                     needed = set(range(max(0, query - window + 1), query + 1))
                     assert needed <= present, f"trial {trial}: query {query} misses {needed - present}"
-                assert layer.capacity == window + margin
+                assert layer.capacity <= window + margin
+                if layer._oldest > 0:  # wrapped: all slots allocated, never more
+                    assert layer.capacity == window + margin
 
 class TestFullLayers:
     def test_growable_appends_and_doubles(self):
-        """Prefill 5 -> capacity 5; decode 6 tokens -> capacity doubles to 10 then 20; content in time order."""
+        """Prefill 8 -> capacity 8; decode 8 tokens -> capacity grows by 1.25: 10, 13, 17; content in time order."""
         layer = GrowableFullLayer()
-        keys, _ = layer.update(*kv(0, 5))
-        assert as_list(keys) == [0, 1, 2, 3, 4] and layer.capacity == 5
+        keys, _ = layer.update(*kv(0, 8))
+        assert as_list(keys) == list(range(8)) and layer.capacity == 8
         capacities = []
-        for position in range(5, 11):
+        for position in range(8, 16):
             keys, _ = layer.update(*kv(position, 1))
             capacities.append(layer.capacity)
-        assert as_list(keys) == list(range(11))
-        assert capacities == [10, 10, 10, 10, 10, 20]
-        assert layer.capacity <= 2 * layer.get_seq_length()
+        assert as_list(keys) == list(range(16))
+        assert capacities == [10, 10, 13, 13, 13, 17, 17, 17]
+        assert layer.capacity <= 1.25 * layer.get_seq_length() + 1
 
     def test_growable_decode_writes_in_place(self):
         layer = GrowableFullLayer()
-        layer.update(*kv(0, 8))
-        layer.update(*kv(8, 1))  # grows to 16
+        layer.update(*kv(0, 16))
+        layer.update(*kv(16, 1))  # grows to 20
         storage = layer.keys.data_ptr()
-        for position in range(9, 16):
+        for position in range(17, 20):
             layer.update(*kv(position, 1))
         assert layer.keys.data_ptr() == storage
 

@@ -17,6 +17,7 @@ from transformers.masking_utils import (
 
 import hybrid_cache.mask_hook as mask_hook
 from hybrid_cache import HybridRingCache, RingLayout, UnsupportedAttentionError, install_mask_hook
+from hybrid_cache.mask_hook import DenseMaskRequest
 
 
 def run_other_caches(model, input_ids, attention_mask):
@@ -117,15 +118,32 @@ def test_ring_mask_equals_time_ordered_mask_with_overlays(attn, q_length):
 
 
 def test_full_layer_mask_unchanged():
-    """Full layers are time-ordered: their mask is transformers' own (plain integer offsets, no layout)."""
+    """Full layers are time-ordered: their mask is transformers' own (plain integer offsets, no ring layout)."""
     model = tiny_gemma3(window=4)
     attention_mask = torch.ones(1, 15, dtype=torch.long)
     cache = wrapped_ring_cache(model, attention_mask, 14)
+    cache.dense_decode_mask = False
     full_idx = cache.is_sliding.index(False)
     kv_length, kv_offset = cache.get_mask_sizes(1, full_idx)
     assert (kv_length, kv_offset) == (15, 0)
     embeds = torch.zeros(1, 1, model.config.hidden_size)
     assert create_causal_mask(model.config, embeds, attention_mask, cache) is None  # sdpa may skip it, as before
+
+
+def test_dense_decode_mask_on_cpu_gqa():
+    """On CPU with grouped-query attention a one-token step asks for a materialized mask (transformers' fast packed
+    SDPA path instead of `enable_gqa`): the same mask transformers builds when it does not skip, all keys visible."""
+    model = tiny_gemma3(window=4)
+    attention_mask = torch.ones(1, 15, dtype=torch.long)
+    cache = wrapped_ring_cache(model, attention_mask, 14)
+    full_idx = cache.is_sliding.index(False)
+    kv_length, kv_offset = cache.get_mask_sizes(1, full_idx)
+    assert kv_length == 15 and isinstance(kv_offset, DenseMaskRequest) and kv_offset.offset == 0
+    embeds = torch.zeros(1, 1, model.config.hidden_size)
+    mask = create_causal_mask(model.config, embeds, attention_mask, cache)
+    assert mask is not None and mask.shape == (1, 1, 1, 15) and bool(mask.all())
+    # Multi-token steps keep transformers' own decision.
+    assert cache.get_mask_sizes(3, full_idx) == (17, 0)
 
 
 def test_unsupported_attention_raises():
