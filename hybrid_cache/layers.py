@@ -153,7 +153,7 @@ class _StorageLayer(CacheLayerMixin):
         return self.cumulative_length
 
     def reset(self) -> None:
-        """Forget all tokens; keep the allocation so the next sequence reuses it (same batch size)."""
+        """Forget all tokens; keep the allocation for reuse (a new batch size / dtype / device reallocates)."""
         self.cumulative_length = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -161,6 +161,20 @@ class _StorageLayer(CacheLayerMixin):
             beam_idx = beam_idx.to(self.device)
             self.keys = self.keys.index_select(0, beam_idx)
             self.values = self.values.index_select(0, beam_idx)
+
+    def _reorder_in_place(self, beam_idx: torch.LongTensor) -> None:
+        # In place, to keep the static addresses that compiled graphs captured.
+        if self.is_initialized:
+            beam_idx = beam_idx.to(self.device)
+            self.keys.copy_(self.keys.index_select(0, beam_idx))
+            self.values.copy_(self.values.index_select(0, beam_idx))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Time-ordered storage: a rollback only moves the length (negative: tokens to remove; positive, legacy:
+        the length to keep)."""
+        if tokens_to_remove > 0:
+            tokens_to_remove = tokens_to_remove - self.cumulative_length
+        self.cumulative_length = max(0, self.cumulative_length + min(tokens_to_remove, 0))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
@@ -392,12 +406,24 @@ class RingSlidingLayer(_StorageLayer):
                 self._write_newest(undo.new_keys[:, :, :kept], undo.new_values[:, :, :kept])
             return
         raise RollbackError(
-                f"Cannot roll back {remove} tokens exactly: the sliding-window ring ({self.max_slots} slots = window "
-                f"{self.sliding_window} + margin {self.rollback_margin}) already overwrote tokens the next query "
-                f"needs (it can undo at most {self.rollback_margin + 1} tokens after the wrap). Create the cache with "
-                f"`HybridRingCache(config, rollback_margin=N)` for N >= {remove - 1}, or call "
-                f"`cache.activate_past_recording()` before the speculative step."
-            )
+            f"Cannot roll back {remove} tokens exactly: the sliding-window ring ({self.max_slots} slots = window "
+            f"{self.sliding_window} + margin {self.rollback_margin}) already overwrote tokens the next query "
+            f"needs (it can undo at most {self.rollback_margin + 1} tokens after the wrap). Create the cache with "
+            f"`HybridRingCache(config, rollback_margin=N)` for N >= {remove - 1}, or call "
+            f"`cache.activate_past_recording()` before the speculative step."
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._undo = None  # saved in the old batch order: a later rollback must not restore it
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._undo = None
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._undo = None
 
 
 class GrowableFullLayer(_StorageLayer):
@@ -440,11 +466,6 @@ class GrowableFullLayer(_StorageLayer):
 
     def get_max_length(self) -> int:
         return -1
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:  # legacy convention: the length to keep
-            tokens_to_remove = tokens_to_remove - self.cumulative_length
-        self.cumulative_length = max(0, self.cumulative_length + min(tokens_to_remove, 0))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # Only the held tokens matter; select them alone so a beam step costs O(length), not O(capacity).
@@ -506,17 +527,8 @@ class StaticFullLayer(_StorageLayer):
     def get_max_length(self) -> int:
         return self.max_cache_len
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            tokens_to_remove = tokens_to_remove - self.cumulative_length
-        self.cumulative_length = max(0, self.cumulative_length + min(tokens_to_remove, 0))
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        # In place, to keep the static addresses that compiled graphs captured.
-        if self.is_initialized:
-            beam_idx = beam_idx.to(self.device)
-            self.keys.copy_(self.keys.index_select(0, beam_idx))
-            self.values.copy_(self.values.index_select(0, beam_idx))
+        self._reorder_in_place(beam_idx)
 
 
 class StaticRingSlidingLayer(RingSlidingLayer):
@@ -572,7 +584,5 @@ class StaticRingSlidingLayer(RingSlidingLayer):
         return self.keys, self.values
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            beam_idx = beam_idx.to(self.device)
-            self.keys.copy_(self.keys.index_select(0, beam_idx))
-            self.values.copy_(self.values.index_select(0, beam_idx))
+        self._reorder_in_place(beam_idx)
+        self._undo = None
