@@ -58,8 +58,8 @@ def _check_shapes(layer: CacheLayerMixin, key_states: torch.Tensor, value_states
         )
 
 
-# Growth of time-ordered buffers. 1.25 keeps a full layer within 25% of its tokens (plus the prompt-sized first
-# allocation) while copying each token at most 1 / (1.25 - 1) = 4 times on average over a whole generation.
+# Growth of time-ordered buffers on one-token steps: 1.25 keeps a full layer within 25% of its tokens while copying
+# each token at most 1 / (1.25 - 1) = 4 times on average over a whole generation.
 GROWTH_FACTOR = 1.25
 
 
@@ -114,12 +114,16 @@ class _StorageLayer(CacheLayerMixin):
         self.values = value_states.new_zeros((self.batch_size, self.num_heads, slots, self.v_head_dim))
         self.is_initialized = True
 
-    def _grow(self, needed: int, limit: int | None = None) -> None:
-        """Make room for `needed` time-ordered slots: grow by `GROWTH_FACTOR` (amortized O(1) per token), copying
-        only the held prefix `[:length]`; never beyond `limit`."""
+    def _grow(self, needed: int, query_length: int, limit: int | None = None) -> None:
+        """Make room for `needed` time-ordered slots, copying only the held prefix `[:length]`; never beyond `limit`.
+
+        One-token steps grow by `GROWTH_FACTOR` (amortized O(1) per token). Multi-token steps (prompts, prefill
+        chunks) grow to exactly `needed`: their own attention already reads the whole history, so one more copy of it
+        costs little, and a prompt or a chunked prefill then leaves no slack at all.
+        """
         if needed <= self.capacity:
             return
-        new_capacity = max(needed, math.ceil(self.capacity * GROWTH_FACTOR))
+        new_capacity = needed if query_length > 1 else max(needed, math.ceil(self.capacity * GROWTH_FACTOR))
         if limit is not None:
             new_capacity = min(new_capacity, limit)
         length = self.cumulative_length
@@ -313,14 +317,14 @@ class RingSlidingLayer(_StorageLayer):
 
         if kind == "ordered":  # nothing is overwritten: any rollback stays exact
             end = length + query_length
-            self._grow(end, limit=self.max_slots)
+            self._grow(end, query_length, limit=self.max_slots)
             self.keys[:, :, length:end].copy_(key_states)
             self.values[:, :, length:end].copy_(value_states)
             self._advance(query_length)
             return self.keys[:, :, :end], self.values[:, :, :end]
 
         # From here on the ring has (or gets) all its slots; the held prefix keeps its slots `p % capacity == p`.
-        self._grow(self.max_slots, limit=self.max_slots)
+        self._grow(self.max_slots, query_length, limit=self.max_slots)
         if kind == "decode":
             slot = length % self.max_slots
             self.keys[:, :, slot : slot + 1].copy_(key_states)
@@ -455,7 +459,7 @@ class GrowableFullLayer(_StorageLayer):
         self._prepare(key_states, value_states)
         start = self.cumulative_length
         end = start + key_states.shape[-2]
-        self._grow(end)
+        self._grow(end, key_states.shape[-2])
         self.keys[:, :, start:end].copy_(key_states)
         self.values[:, :, start:end].copy_(value_states)
         self.cumulative_length = end

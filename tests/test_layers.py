@@ -268,6 +268,17 @@ class TestFullLayers:
         assert capacities == [10, 10, 13, 13, 13, 17, 17, 17]
         assert layer.capacity <= 1.25 * layer.get_seq_length() + 1
 
+    def test_growable_chunks_leave_no_slack(self):
+        """Multi-token steps (prompt, prefill chunks) grow to exactly the tokens held: 5 -> 8 -> 12 -> 13 (decode)."""
+        layer = GrowableFullLayer()
+        capacities = []
+        for start, count in [(0, 5), (5, 3), (8, 4)]:
+            layer.update(*kv(start, count))
+            capacities.append(layer.capacity)
+        assert capacities == [5, 8, 12]
+        keys, _ = layer.update(*kv(12, 1))
+        assert layer.capacity == 15 and as_list(keys) == list(range(13))
+
     def test_growable_decode_writes_in_place(self):
         layer = GrowableFullLayer()
         layer.update(*kv(0, 16))
