@@ -3,6 +3,7 @@
 # Only package registries are used: no Hugging Face Hub access, now or at run time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PIP_ROOT_USER_ACTION=ignore  # CI runs as root; the warning is noise there
 PIP="${PYTHON:-python3} -m pip"
 # torch first, pinned to the CPU wheel this machine's pip finds; otherwise a dependency could pull a multi-GB CUDA build.
 $PIP install -q --disable-pip-version-check "torch==2.13.0"
