@@ -128,3 +128,22 @@ def test_rollback_after_wrap_matches_oracle(model_name):
         got = chunked_logits(model, cache, tokens[:, 21:], [1, 2, 1, 4, 1])
     expected = no_cache_logits(model, tokens)[:, 21:]
     assert_matches_oracle(got, expected, torch.ones_like(got[..., 0], dtype=torch.long), "rollback")
+
+
+def test_all_sliding_model_without_layer_types():
+    """A Mistral-style config (a `sliding_window`, no `layer_types`): every layer gets a ring, results exact."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa",
+    )
+    model = MistralForCausalLM(config).eval()
+    cache = HybridRingCache(model.config)
+    assert cache.layer_kinds == ["sliding_attention"] * 2
+    input_ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(8))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :7] = 0
+    got = chunked_logits(model, cache, input_ids, [6, 1, 1, 5, 1, 1, 1, 4], attention_mask)
+    assert_matches_oracle(got, no_cache_logits(model, input_ids, attention_mask), attention_mask, "mistral")
