@@ -1,0 +1,8 @@
+"""Decode benchmark (thin wrapper): ``python benchmarks/decode.py [options]`` == ``python -m hybrid_cache.bench``."""
+
+import sys
+
+from hybrid_cache.bench import main
+
+if __name__ == "__main__":
+    sys.exit(main())
