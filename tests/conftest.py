@@ -36,6 +36,27 @@ def tiny_gemma4(window: int = 6, layers: int = 8, shared: int = 3, attn: str = "
     return Gemma4ForCausalLM(config).eval()
 
 
+def tiny_gemma3_multimodal(window: int = 4, seed: int = 0):
+    """Gemma3ForConditionalGeneration with a 1-layer SigLIP tower (28x28 images, 4 tokens per image); ids 98-100 are
+    the image / begin-of-image / end-of-image tokens."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    torch.manual_seed(seed)
+    text = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=window,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+        boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3,
+    )
+    config._attn_implementation = "sdpa"
+    return Gemma3ForConditionalGeneration(config).eval()
+
+
 MODEL_BUILDERS = {"gemma3": tiny_gemma3, "gemma4": tiny_gemma4}
 
 

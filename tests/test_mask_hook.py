@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import VOCAB, chunked_logits, tiny_gemma3
+from conftest import VOCAB, chunked_logits, tiny_gemma3, tiny_gemma3_multimodal
 from transformers import DynamicCache, StaticCache
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS,
@@ -194,3 +194,18 @@ def test_prepared_4d_mask_after_wrap_raises():
 def test_mask_interface_default_instance_sees_hook():
     install_mask_hook()
     assert ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is AttentionMaskInterface._global_mapping["sdpa"]
+
+
+def test_image_blocks_after_the_wrap_raise_clearly():
+    """Documented limit: Gemma 3's bidirectional image blocks pad their block ids with integer arithmetic on
+    `kv_offset`; after the wrap that must fail loudly (never a time-ordered mask for ring slots)."""
+    model = tiny_gemma3_multimodal(window=4)
+    cache = HybridRingCache(model.config)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, VOCAB - 4, (1, 10)), past_key_values=cache)  # the rings wrap
+        chunk = torch.tensor([[5, VOCAB - 2] + [VOCAB - 1] * 4 + [VOCAB - 3, 7]])
+        with pytest.raises(UnsupportedAttentionError, match="kv_offset"):
+            model(
+                input_ids=chunk, pixel_values=torch.randn(1, 3, 28, 28), token_type_ids=(chunk == VOCAB - 1).long(),
+                attention_mask=torch.ones(1, 18, dtype=torch.long), past_key_values=cache,
+            )

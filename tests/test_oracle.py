@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits
+from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits, tiny_gemma3_multimodal
 
 from hybrid_cache import HybridRingCache
 
@@ -152,22 +152,7 @@ def test_all_sliding_model_without_layer_types():
 def test_composite_multimodal_config_text_only():
     """`HybridRingCache(model.config)` with a composite config (Gemma3ForConditionalGeneration, text-only input):
     the decoder text config is read, logits and greedy generation match the no-cache model."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
-
-    torch.manual_seed(0)
-    text = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=4,
-    )
-    vision = SiglipVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
-    )
-    config = Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
-        boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3,
-    )
-    config._attn_implementation = "sdpa"
-    model = Gemma3ForConditionalGeneration(config).eval()
+    model = tiny_gemma3_multimodal(window=4)
     input_ids = torch.randint(3, VOCAB - 4, (2, 20), generator=torch.Generator().manual_seed(9))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :6] = 0
