@@ -185,12 +185,12 @@ class HybridRingCache(Cache):
                 f"update() for layer {layer_idx}, but the config declares {len(self.layers)} layers. The cache was "
                 f"built from another model's config."
             )
-        if isinstance(self.layers[layer_idx], DummyLayer):
+        layer = self.layers[layer_idx]
+        if isinstance(layer, DummyLayer):
             raise RuntimeError(
                 f"Layer {layer_idx} is KV-shared (kv_sharing_modes='reuse') and stores nothing, but the model called "
                 f"update() for it: the cache was built from a config that does not match the model."
             )
-        layer = self.layers[layer_idx]
         if (
             not is_torchdynamo_compiling()  # the checks read Python counters; compiled steps were checked eagerly
             and isinstance(layer, RingSlidingLayer)
@@ -229,11 +229,6 @@ class HybridRingCache(Cache):
         return device is not None and device.type == "cpu" and self._grouped_query[layer_idx]
 
     # --- protocol additions ---------------------------------------------------------------------------------------
-    def activate_past_recording(self) -> None:
-        for layer in self.layers:
-            if isinstance(layer, RingSlidingLayer):
-                layer.activate_past_recording()
-
     def early_initialization(
         self, batch_size: int, num_heads: int | list[int], head_dim: int | list[int], dtype: torch.dtype,
         device: torch.device | str,
