@@ -38,10 +38,6 @@ import torch
 CACHE_NAMES = ("ring", "dynamic", "static", "none")
 
 
-class CacheUnavailableError(RuntimeError):
-    """The requested cache cannot be built here (e.g. ``HybridRingCache`` is not importable)."""
-
-
 @dataclass
 class PerplexityResult:
     """Outcome of one streaming run.
@@ -157,7 +153,6 @@ def make_cache(name: str, model: Any, max_tokens: int) -> Any:
 
     Raises:
         ValueError: unknown cache name.
-        CacheUnavailableError: ``ring`` when ``hybrid_cache.cache.HybridRingCache`` cannot be imported.
     """
     from transformers import DynamicCache, StaticCache
 
@@ -168,10 +163,8 @@ def make_cache(name: str, model: Any, max_tokens: int) -> Any:
     if name == "static":
         return StaticCache(config=model.config, max_cache_len=max_tokens)
     if name == "ring":
-        try:
-            from hybrid_cache.cache import HybridRingCache
-        except ImportError as exc:
-            raise CacheUnavailableError(f"HybridRingCache is not available ({exc})") from exc
+        from hybrid_cache.cache import HybridRingCache
+
         return HybridRingCache(model.config)
     raise ValueError(f"unknown cache {name!r}; expected one of {', '.join(CACHE_NAMES)}")
 
@@ -235,7 +228,6 @@ def evaluate_perplexity(
 
     Raises:
         ValueError: unknown cache, ``chunk_size < 1``, or fewer than ``chunk_size + 1`` tokens.
-        CacheUnavailableError: see :func:`make_cache`.
     """
     from tqdm.auto import tqdm
 
@@ -387,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: arguments (default ``sys.argv[1:]``).
 
     Returns:
-        0 on success; 3 if a requested cache was unavailable and skipped. Usage errors exit with status 2.
+        0 on success. Usage errors exit with status 2.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -429,15 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("note: this model has no sliding-window layers, so the ring cache holds as much as a full cache")
 
     results: list[PerplexityResult] = []
-    skipped: list[str] = []
     for name in caches:
-        try:
-            res = evaluate_perplexity(model, ids, name, args.chunk_size, logits_slice=args.logits_slice,
-                                      progress=not args.no_progress)
-        except CacheUnavailableError as exc:
-            print(f"SKIPPED {name}: {exc}", file=sys.stderr)
-            skipped.append(name)
-            continue
+        res = evaluate_perplexity(model, ids, name, args.chunk_size, logits_slice=args.logits_slice,
+                                  progress=not args.no_progress)
         results.append(res)
         if res.memory_report:
             print(f"[{name}] memory report:\n{res.memory_report}")
@@ -466,7 +452,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 {**{k: v for k, v in asdict(r).items() if k != "memory_report"}, "tokens_per_second": r.tokens_per_second}
                 for r in results
             ],
-            "skipped": skipped,
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
         with open(args.json_path, "w") as fh:
@@ -475,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot_memory(results, per_token, args.plot, title=f"{type(model).__name__}: KV bytes held ({args.dtype})")
         print(f"wrote {args.plot}")
-    return 3 if skipped else 0
+    return 0
 
 
 if __name__ == "__main__":

@@ -37,17 +37,6 @@ SAMPLE = (
 )
 
 
-def _ring_available() -> bool:
-    try:
-        from hybrid_cache.cache import HybridRingCache  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _caches_here() -> list[str]:
-    """All caches, minus `ring` while HybridRingCache is not importable (it is tested once it is)."""
-    return [c for c in CACHE_NAMES if c != "ring" or _ring_available()]
 
 
 def tiny_model(vocab: int = 128, window: int = 6, layers: int = 6, softcap: float | None = None,
@@ -220,8 +209,6 @@ def test_none_matches_plain_cross_entropy(softcap):
 @pytest.mark.parametrize("chunk", [1, 5, 6, 7, 13, 40])
 @pytest.mark.parametrize("cache", [c for c in CACHE_NAMES if c != "none"])
 def test_cached_runs_match_no_cache(cache, chunk):
-    if cache == "ring" and not _ring_available():
-        pytest.skip("hybrid_cache.cache.HybridRingCache is not importable yet")
     model = tiny_model(window=6)
     ids = torch.randint(4, 128, (41,), generator=torch.Generator().manual_seed(2))
     ref = evaluate_perplexity(model, ids, "none", chunk_size=chunk, progress=False)
@@ -272,7 +259,7 @@ def test_cli_end_to_end(tiny_dir, tmp_path, capsys):
     with gzip.open(text_file, "wt") as fh:
         fh.write(SAMPLE * 3)
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    caches = _caches_here()
+    caches = list(CACHE_NAMES)
     rc = main([
         "--model", str(tiny_dir), "--text", str(text_file), "--max-tokens", "60", "--chunk-size", "7",
         "--caches", ",".join(caches), "--json", str(out_json), "--plot", str(out_png), "--no-progress",
@@ -291,7 +278,7 @@ def test_cli_end_to_end(tiny_dir, tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_ring_skip_or_note_without_sliding_layers(tmp_path, capsys):
+def test_cli_ring_note_without_sliding_layers(tmp_path, capsys):
     d = tmp_path / "nosliding"
     tokenizer = tiny_tokenizer(SAMPLE * 4)
     tiny_model(vocab=len(tokenizer), layer_types=["full_attention"] * 6).save_pretrained(d)
@@ -302,10 +289,7 @@ def test_cli_ring_skip_or_note_without_sliding_layers(tmp_path, capsys):
                "--caches", "ring,none", "--no-progress"])
     captured = capsys.readouterr()
     assert "no sliding-window layers" in captured.out
-    if _ring_available():
-        assert rc == 0
-    else:
-        assert rc == 3 and "SKIPPED ring" in captured.err
+    assert rc == 0
 
 
 @pytest.mark.parametrize(
