@@ -221,6 +221,16 @@ def test_speculative_greedy(model_name, method, rollback_margin):
         assert layer.capacity == WINDOW + rollback_margin
 
 
+@pytest.mark.parametrize("method", list(SPECULATIVE_CASES))
+def test_speculative_fixed_capacity(model_name, method):
+    """Speculative decoding with `max_cache_len` (static rings and full layers, masks prepared by generate)."""
+    make_inputs, make_kwargs = SPECULATIVE_CASES[method]
+    model, inputs = get_model(model_name), make_inputs()
+    kwargs = {"do_sample": False, **make_kwargs()}
+    ring = generate(model, inputs, HybridRingCache(model.config, max_cache_len=96), **kwargs)
+    assert_same(ring, generate(model, inputs, "none", do_sample=False), "fixed ring vs no-cache greedy oracle")
+
+
 def test_prompt_lookup_short_prompt_later_longer_candidates(model_name):
     """A 2-token prompt has no n-gram to look up: the first step has no candidate; later steps propose 4 tokens from
     the (repetitive) generated text, and rejecting them after the wrap must still be exact with margin 0. (Past
