@@ -11,7 +11,9 @@ position held by every returned key slot (`-1` for an empty slot). The hook wrap
 functions: when `kv_offset` is a `RingLayout`, the model's own `mask_function` (sliding window, causal, and any
 `or_mask_function` / `and_mask_function` overlay) and the 2D padding mask are evaluated at those real positions;
 in every other case the call is passed through untouched, so every other cache class gets the exact masks it got
-before. Other registered mask functions (flash attention, flex attention) are wrapped with a guard that raises a
+before. A `DenseMaskRequest` offset (time-ordered keys, one-token step on CPU with grouped-query attention) is served
+by the original function with its integer offset and the `is_causal` skip disabled: the same mask transformers builds
+whenever it does not skip, which routes SDPA to its fast packed-GQA path on CPU. Other registered mask functions (flash attention, flex attention) are wrapped with a guard that raises a
 clear error if a `RingLayout` ever reaches them, instead of producing a wrong mask.
 
 The hook is installed by `HybridRingCache` itself (idempotent, thread-safe); `install_mask_hook()` /
@@ -69,8 +71,8 @@ class RingLayout:
 
     def _refuse(self, *args, **kwargs):
         raise UnsupportedAttentionError(
-            "A HybridRingCache ring layout (slots not in time order) reached code that treats `kv_offset` as an "
-            "integer. This happens when the mask is built by a function other than hybrid_cache's hook (a locally "
+            "A HybridRingCache key layout (`RingLayout` / `DenseMaskRequest`) reached code that treats `kv_offset` "
+            "as an integer. This happens when the mask is built by a function other than hybrid_cache's hook (a locally "
             "overridden `AttentionMaskInterface` entry, or a model-specific mask path such as bidirectional image "
             "blocks). Use attn_implementation='sdpa' or 'eager' with the model's standard text masks, or use "
             "`DynamicCache` for this model."
