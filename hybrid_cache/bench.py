@@ -56,6 +56,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .compare import CACHE_NAMES, kv_bytes_held, layer_kv_geometry, make_cache, text_config
+
 __all__ = [
     "BenchResult",
     "CompileOptions",
@@ -67,10 +69,10 @@ __all__ = [
     "measure_bandwidth",
     "prefill_chunk_check",
     "run_benchmark",
+    "random_prefill",
     "synthesize_prefill",
 ]
 
-CACHE_NAMES = ("ring", "dynamic", "static")
 COMPILEABLE_CACHES = ("ring", "static")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -232,87 +234,49 @@ def load_bench_model(name: str, dtype: torch.dtype, window: int, device: str = "
     return model.eval().to(device)
 
 
-def _text_config(model: Any) -> Any:
-    return model.config.get_text_config(decoder=True)
+PrefillSource = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-def make_cache(name: str, model: Any, max_cache_len: int, *, compileable: bool = False) -> Any:
-    """``ring`` / ``dynamic`` / ``static`` cache for `model` (``static`` gets `max_cache_len` slots).
+def random_prefill(model: Any, batch: int, context: int, dtype: torch.dtype) -> PrefillSource:
+    """Random K/V `[batch, kv_heads, context, head_dim]` for every storing layer, by layer index (layers of the same
+    geometry share one tensor pair: Gemma 4's sliding and full layers differ, KV-shared layers get none)."""
+    device = next(model.parameters()).device
+    by_shape: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    source = {}
+    for layer_idx, geometry in enumerate(layer_kv_geometry(model)):
+        if geometry is None:
+            continue
+        if geometry not in by_shape:
+            heads, head_dim = geometry
+            by_shape[geometry] = tuple(
+                torch.randn(batch, heads, context, head_dim, dtype=dtype, device=device) for _ in range(2)
+            )
+        source[layer_idx] = by_shape[geometry]
+    return source
 
-    ``compileable=True`` gives the ring its fixed mode, ``HybridRingCache(config, max_cache_len=max_cache_len)``
-    (static rings and full layers, counters in tensors), as needed by ``torch.compile``.
+
+def synthesize_prefill(cache: Any, source: PrefillSource) -> None:
+    """Write a prefill into every storing layer through ``cache.update``, one call per layer with the whole context.
+
+    One `source` (see `random_prefill`) is reused across the caches compared; every cache copies what it keeps.
+    A whole-context update into an empty ring is its "fresh prompt" path (returns the input, keeps the newest slots).
     """
-    from transformers import DynamicCache, StaticCache
-
-    from hybrid_cache import HybridRingCache
-
-    if name == "ring":
-        return HybridRingCache(model.config, max_cache_len=max_cache_len) if compileable else HybridRingCache(model.config)
-    if name == "dynamic":
-        return DynamicCache(config=model.config)
-    if name == "static":
-        return StaticCache(config=model.config, max_cache_len=max_cache_len)
-    raise ValueError(f"unknown cache {name!r}; expected one of {CACHE_NAMES}")
-
-
-def _storing_layers(model: Any) -> list[int]:
-    """Indices of the layers that own K/V (not KV-shared)."""
-    config = _text_config(model)
-    sharing = getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers
-    return [i for i, mode in enumerate(sharing) if mode != "reuse"]
-
-
-def _kv_shape(model: Any) -> tuple[int, int]:
-    config = _text_config(model)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return heads, head_dim
-
-
-def synthesize_prefill(cache: Any, model: Any, batch: int, context: int, dtype: torch.dtype,
-                       source: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Write `context` random tokens of K/V into every storing layer through ``cache.update`` (one call per layer).
-
-    `source` (K, V of shape ``[batch, kv_heads, context, head_dim]``) may be passed to reuse one random tensor
-    across caches; every cache copies what it keeps.
-    """
-    if source is None:
-        heads, head_dim = _kv_shape(model)
-        device = next(model.parameters()).device
-        source = (torch.randn(batch, heads, context, head_dim, dtype=dtype, device=device),
-                  torch.randn(batch, heads, context, head_dim, dtype=dtype, device=device))
-    keys, values = source
     with torch.inference_mode():
-        for layer_idx in _storing_layers(model):
+        for layer_idx, (keys, values) in source.items():
             cache.update(keys, values, layer_idx)
-
-
-def kv_bytes_held(cache: Any) -> int:
-    """Bytes of distinct K/V storages a cache holds (a view keeping a larger tensor alive counts it whole)."""
-    seen: set[int] = set()
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor) and t.numel():
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-    return total
 
 
 def live_kv_bytes(model: Any, batch: int, length: int, dtype: torch.dtype) -> int:
     """K/V bytes the attention must read in one decode step at cache length `length` (window-limited)."""
-    config = _text_config(model)
-    heads, head_dim = _kv_shape(model)
+    config = text_config(model)
     element = torch.empty((), dtype=dtype).element_size()
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    storing = set(_storing_layers(model))
     window = getattr(config, "sliding_window", None)
     total = 0
-    for i, layer_type in enumerate(layer_types):
-        if i not in storing:
+    for layer_type, geometry in zip(layer_types, layer_kv_geometry(model)):
+        if geometry is None:
             continue
+        heads, head_dim = geometry
         tokens = min(length, window) if (layer_type == "sliding_attention" and window) else length
         total += 2 * batch * heads * head_dim * element * tokens
     return total
@@ -355,7 +319,7 @@ class CacheOpTimer:
 
     @contextlib.contextmanager
     def instrument(self, model: Any, cache: Any) -> Iterator[CacheOpTimer]:
-        config = _text_config(model)
+        config = text_config(model)
         layer_types = getattr(config, "layer_types", None) or []
         original_update = cache.update
         timer = self
@@ -593,14 +557,13 @@ def _peak(device: torch.device | str) -> int | None:
 
 
 def _decode_once(model: Any, cache_name: str, batch: int, context: int, steps: int, warmup: int,
-                 source: tuple[torch.Tensor, torch.Tensor], vocab: int, count_copies: bool,
+                 source: PrefillSource, vocab: int, count_copies: bool,
                  device: torch.device | str = "cpu",
                  ) -> tuple[list[float], list[float], list[float], int, int, dict[str, int]]:
     """Fresh cache + prefill, `warmup` untimed steps (+1 counted step), `steps` timed steps."""
-    dtype = source[0].dtype
     generator = torch.Generator().manual_seed(context * 31 + batch)
     cache = make_cache(cache_name, model, context + warmup + steps + 2)
-    synthesize_prefill(cache, model, batch, context, dtype, source)
+    synthesize_prefill(cache, source)
     position = context
     with torch.inference_mode():
         for _ in range(warmup):
@@ -654,14 +617,13 @@ def _compare_logits(eager: list[torch.Tensor], compiled: list[torch.Tensor]) -> 
 
 
 def _compiled_decode_once(model: Any, compiled: _Compiled, batch: int, context: int, steps: int, warmup: int,
-                          source: tuple[torch.Tensor, torch.Tensor], vocab: int, first_rep: bool,
+                          source: PrefillSource, vocab: int, first_rep: bool,
                           device: torch.device | str = "cpu",
                           ) -> tuple[list[float], list[float], int, int, dict[str, int]]:
     """As `_decode_once`, through `compiled.forward`: fresh fixed-size cache + eager prefill (``cache.update``),
     untimed warm-up steps (the first compiles; warm-up continues while steps still compile, at most 8 more), one eager
     step counting copies (first rep), `steps` timed steps. On the first rep the first compiled steps are compared with
     an eager run of a fresh cache of the same type on the same inputs."""
-    dtype = source[0].dtype
     max_cache_len = context + warmup + steps + 16
     seed = context * 31 + batch
     outside = compiled.mask == "outside"
@@ -676,7 +638,7 @@ def _compiled_decode_once(model: Any, compiled: _Compiled, batch: int, context: 
     eager_logits: list[torch.Tensor] = []
     if check_steps:
         reference = make_cache(compiled.cache, model, max_cache_len, compileable=True)
-        synthesize_prefill(reference, model, batch, context, dtype, source)
+        synthesize_prefill(reference, source)
         generator = torch.Generator().manual_seed(seed)
         with torch.inference_mode():
             for i in range(check_steps):
@@ -687,7 +649,7 @@ def _compiled_decode_once(model: Any, compiled: _Compiled, batch: int, context: 
 
     generator = torch.Generator().manual_seed(seed)
     cache = make_cache(compiled.cache, model, max_cache_len, compileable=True)
-    synthesize_prefill(cache, model, batch, context, dtype, source)
+    synthesize_prefill(cache, source)
     position = context
     compiled_logits: list[torch.Tensor] = []
     with torch.inference_mode():
@@ -759,9 +721,8 @@ def run_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, contexts: 
     ``torch._dynamo.reset()``); `include_eager` adds the eager rows of `caches` in the same interleaved reps.
     """
     dtype_name = str(dtype).replace("torch.", "")
-    config = _text_config(model)
+    config = text_config(model)
     vocab = config.vocab_size
-    heads, head_dim = _kv_shape(model)
     weights = parameter_bytes(model)
     device_name = str(torch.device(device))
     eager_caches = list(caches) if (compile_options is None or include_eager) else []
@@ -776,8 +737,7 @@ def run_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, contexts: 
     results = []
     for context in contexts:
         for batch in batches:
-            source = (torch.randn(batch, heads, context, head_dim, dtype=dtype, device=device),
-                      torch.randn(batch, heads, context, head_dim, dtype=dtype, device=device))
+            source = random_prefill(model, batch, context, dtype)
             variants: list[tuple[str, _Compiled | None]] = [(c, None) for c in eager_caches]
             if compiled_specs:
                 torch._dynamo.reset()  # every (context, batch) compiles afresh: graphs are counted per cache
@@ -986,16 +946,14 @@ def profile_decode(model: Any, caches: Sequence[str], *, context: int, batch: in
     from torch.profiler import ProfilerActivity, profile
 
     dtype = next(model.parameters()).dtype
-    heads, head_dim = _kv_shape(model)
-    vocab = _text_config(model).vocab_size
+    vocab = text_config(model).vocab_size
     device = next(model.parameters()).device
-    source = (torch.randn(batch, heads, context, head_dim, dtype=dtype, device=device),
-              torch.randn(batch, heads, context, head_dim, dtype=dtype, device=device))
+    source = random_prefill(model, batch, context, dtype)
     tables = {}
     for cache_name in caches:
         generator = torch.Generator().manual_seed(0)
         cache = make_cache(cache_name, model, context + steps + 4)
-        synthesize_prefill(cache, model, batch, context, dtype, source)
+        synthesize_prefill(cache, source)
         position = context
         with torch.inference_mode():
             for _ in range(2):
@@ -1029,7 +987,7 @@ def prefill_chunk_check(model: Any, *, prompt_length: int = 32768, chunk_size: i
     """
     from hybrid_cache import HybridRingCache
 
-    config = _text_config(model)
+    config = text_config(model)
     cache = HybridRingCache(model.config)
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(3, config.vocab_size, (1, prompt_length), generator=generator)
@@ -1201,7 +1159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype = DTYPES[dtype_name]
         for window in windows:
             model = load_bench_model(args.model, dtype, window or 512, device=str(device))
-            config = _text_config(model)
+            config = text_config(model)
             _log(f"model {args.model} {dtype_name}: {config.num_hidden_layers} layers, window "
                  f"{getattr(config, 'sliding_window', None)}, weights {parameter_bytes(model) / 2**20:.0f} MiB")
             results += run_benchmark(model, model_name=args.model, dtype=dtype, contexts=args.contexts,

@@ -35,7 +35,10 @@ from typing import Any
 
 import torch
 
-CACHE_NAMES = ("ring", "dynamic", "static", "none")
+from . import compare
+from .compare import full_cache_bytes_per_token, kv_bytes_held, text_config
+
+CACHE_NAMES = (*compare.CACHE_NAMES, "none")
 
 
 @dataclass
@@ -81,59 +84,16 @@ def peak_rss_bytes() -> int:
 
 
 def kv_bytes(cache: Any) -> int:
-    """Bytes of K/V tensors a cache currently holds.
+    """Bytes of K/V storage a cache holds (see `hybrid_cache.compare.kv_bytes_held`); 0 for ``None`` (no cache).
 
-    Args:
-        cache: a ``HybridRingCache`` (its ``memory_report().total_bytes`` is used) or any transformers ``Cache``
-            with ``.layers`` whose ``keys`` / ``values`` tensors are summed (allocated size, so a StaticCache
-            counts its whole preallocated buffer).
-
-    Returns:
-        Number of bytes; 0 for ``None``.
+    For `HybridRingCache` this equals ``memory_report().total_bytes`` (tested).
     """
-    if cache is None:
-        return 0
-    if hasattr(cache, "memory_report"):
-        return int(cache.memory_report().total_bytes)
-    total = 0
-    seen: set[int] = set()
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            # Layers that share KV (kv-sharing models) may hold the very same tensor: count storage once.
-            if isinstance(t, torch.Tensor) and t.numel() and id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-    return total
-
-
-def _text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def full_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """KV bytes per token of a cache that keeps every token for every layer (the "full cache" baseline).
-
-    Args:
-        config: model config; uses ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` (and
-            ``global_head_dim`` for full-attention layers when present, as in Gemma 4).
-        dtype: KV dtype.
-
-    Returns:
-        ``sum over layers of 2 (K and V) * kv_heads * head_dim * element_size``.
-    """
-    cfg = _text_config(config)
-    n_layers = cfg.num_hidden_layers
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    global_head_dim = getattr(cfg, "global_head_dim", None) or head_dim
-    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers
-    elsize = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * kv_heads * (global_head_dim if lt == "full_attention" else head_dim) * elsize for lt in layer_types)
+    return kv_bytes_held(cache)
 
 
 def has_sliding_layers(config: Any) -> bool:
     """Whether the model has any sliding-window attention layers (otherwise a ring cache saves nothing)."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types:
         return any("sliding" in lt for lt in layer_types)
@@ -141,37 +101,19 @@ def has_sliding_layers(config: Any) -> bool:
 
 
 def make_cache(name: str, model: Any, max_tokens: int) -> Any:
-    """Build the named cache for ``model``.
+    """The named cache for ``model`` (`hybrid_cache.compare.make_cache`), or ``None`` for ``"none"``.
 
     Args:
         name: one of :data:`CACHE_NAMES`.
         model: the causal LM.
         max_tokens: total tokens to be processed (StaticCache's ``max_cache_len``).
-
-    Returns:
-        The cache, or ``None`` for ``"none"``.
-
-    Raises:
-        ValueError: unknown cache name.
     """
-    from transformers import DynamicCache, StaticCache
-
-    if name == "none":
-        return None
-    if name == "dynamic":
-        return DynamicCache(config=model.config)
-    if name == "static":
-        return StaticCache(config=model.config, max_cache_len=max_tokens)
-    if name == "ring":
-        from hybrid_cache.cache import HybridRingCache
-
-        return HybridRingCache(model.config)
-    raise ValueError(f"unknown cache {name!r}; expected one of {', '.join(CACHE_NAMES)}")
+    return None if name == "none" else compare.make_cache(name, model, max_tokens)
 
 
 def _lm_head_and_softcap(model: Any) -> tuple[torch.nn.Module, float | None]:
     head = model.get_output_embeddings()
-    softcap = getattr(_text_config(model.config), "final_logit_softcapping", None)
+    softcap = getattr(text_config(model), "final_logit_softcapping", None)
     return head, softcap
 
 

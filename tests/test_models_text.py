@@ -309,3 +309,22 @@ def test_cli_errors(argv, message, tiny_dir, tmp_path, capsys):
         main(base + argv)
     assert excinfo.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_kv_bytes_equals_memory_report_and_gemma4_geometry():
+    """`kv_bytes` (distinct storages) equals HybridRingCache's own report; the full-cache baseline reads Gemma 4's
+    per-layer geometry (sliding head 8 x 2 KV heads, full head 16 x 1 KV head, KV-shared layers excluded)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import chunked_logits, tiny_gemma4
+
+    from hybrid_cache import HybridRingCache
+
+    model = tiny_gemma4(window=4)
+    cache = HybridRingCache(model.config)
+    chunked_logits(model, cache, torch.randint(3, 100, (2, 15)), [9, 1, 5])
+    assert kv_bytes(cache) == cache.memory_report().total_bytes > 0
+    # layers: S S F S S | shared x3  ->  4 sliding x (2 x 2 x 8) + 1 full x (2 x 1 x 16), fp32
+    assert full_cache_bytes_per_token(model.config, torch.float32) == (4 * 2 * 2 * 8 + 1 * 2 * 1 * 16) * 4

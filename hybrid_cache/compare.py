@@ -1,0 +1,90 @@
+"""The caches `HybridRingCache` is compared against, and what a cache holds: shared by the perplexity evaluation and
+the decode benchmark, so both build the same caches and count bytes the same way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+from .cache import HybridRingCache
+
+__all__ = [
+    "CACHE_NAMES",
+    "full_cache_bytes_per_token",
+    "kv_bytes_held",
+    "layer_kv_geometry",
+    "make_cache",
+    "text_config",
+]
+
+# `ring` = HybridRingCache(config); `dynamic` = DynamicCache(config=config); `static` = StaticCache(config, max_len).
+CACHE_NAMES = ("ring", "dynamic", "static")
+
+
+def text_config(model_or_config: Any) -> Any:
+    """The decoder text config of a model or config (composite configs: their text part)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.get_text_config(decoder=True)
+
+
+def make_cache(name: str, model_or_config: Any, max_cache_len: int, *, compileable: bool = False) -> Any:
+    """Build cache `name` for a model (or its config).
+
+    Args:
+        name: one of `CACHE_NAMES`.
+        model_or_config: the model or its config.
+        max_cache_len: `StaticCache`'s capacity (prompt + new tokens); with `compileable=True` also the ring's
+            full-layer capacity (its fixed, compileable mode).
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    if name == "ring":
+        return HybridRingCache(config, max_cache_len=max_cache_len if compileable else None)
+    if name == "dynamic":
+        return DynamicCache(config=config)
+    if name == "static":
+        return StaticCache(config=config, max_cache_len=max_cache_len)
+    raise ValueError(f"unknown cache {name!r}; expected one of {', '.join(CACHE_NAMES)}")
+
+
+def layer_kv_geometry(model_or_config: Any) -> list[tuple[int, int] | None]:
+    """`(kv_heads, head_dim)` of every layer, `None` for KV-shared layers (they store nothing).
+
+    Read per layer (Gemma 4's configs are heterogeneous: global and sliding layers have different head sizes and KV
+    heads, and reading the global attribute raises).
+    """
+    config = text_config(model_or_config)
+    per_layer = getattr(config, "per_layer_config", None) or [config] * config.num_hidden_layers
+    sharing = getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers
+    geometry = []
+    for layer_config, mode in zip(per_layer, sharing):
+        if mode == "reuse":
+            geometry.append(None)
+            continue
+        query_heads = layer_config.num_attention_heads
+        kv_heads = getattr(layer_config, "num_key_value_heads", None) or query_heads
+        head_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // query_heads
+        geometry.append((kv_heads, head_dim))
+    return geometry
+
+
+def full_cache_bytes_per_token(model_or_config: Any, dtype: torch.dtype) -> int:
+    """KV bytes per token (batch 1) of a cache keeping every token in every storing layer: the "full cache"."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * heads * head_dim * element for heads, head_dim in filter(None, layer_kv_geometry(model_or_config)))
+
+
+def kv_bytes_held(cache: Any) -> int:
+    """Bytes of the distinct K/V storages a cache holds (allocated, not used: a `StaticCache` counts its whole buffer,
+    a view keeping a larger tensor alive counts it whole); 0 for `None`."""
+    seen: set[int] = set()
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+    return total
