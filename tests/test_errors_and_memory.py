@@ -166,3 +166,13 @@ def test_layers_on_their_own_devices():
     cache.update(torch.zeros(1, 2, 4, 8, dtype=torch.float64), torch.zeros(1, 2, 4, 8, dtype=torch.float64), 0)
     cache.update(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), 1)
     assert cache.layers[0].keys.dtype == torch.float64 and cache.layers[1].keys.dtype == torch.float32
+
+
+def test_initial_capacity_sizes_full_layers_exactly():
+    """`initial_capacity=prompt + new tokens`: the full layers are allocated once at that size and never grow."""
+    model = tiny_gemma3(window=4)
+    prompt, new = 9, 6
+    cache = HybridRingCache(model.config, initial_capacity=prompt + new)
+    chunked_logits(model, cache, torch.randint(3, VOCAB, (1, prompt + new)), [prompt] + [1] * new)
+    full = [layer for kind, layer in zip(cache.layer_kinds, cache.layers) if kind == "full_attention"]
+    assert all(layer.capacity == prompt + new for layer in full)
