@@ -8,6 +8,7 @@ random Gemma 3 and Gemma 4 models (KV-shared layers, different head sizes and KV
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -17,6 +18,8 @@ from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits, tin
 from hybrid_cache import HybridRingCache
 
 TOLERANCE = 1e-4
+# Random cases per (model, attention); CI runs 25. `HYBRID_CACHE_ORACLE_SEEDS=500 pytest tests/test_oracle.py` to soak.
+ORACLE_SEEDS = int(os.environ.get("HYBRID_CACHE_ORACLE_SEEDS", "25"))
 
 
 def random_schedule(rng: random.Random, total: int, window: int) -> list[int]:
@@ -47,7 +50,7 @@ def assert_matches_oracle(got: torch.Tensor, expected: torch.Tensor, attention_m
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("seed", range(4), ids=lambda s: f"seed{s}")
+@pytest.mark.parametrize("seed", range(ORACLE_SEEDS), ids=lambda s: f"seed{s}")
 def test_random_schedules_match_no_cache(model_name, attn, seed):
     rng = random.Random(f"{model_name}-{attn}-{seed}")
     window = rng.choice([3, 5, 8])
