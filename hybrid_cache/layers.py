@@ -282,11 +282,15 @@ class RingSlidingLayer(_StorageLayer):
         """True when the keys returned for this step are not in time order (a `RingLayout` describes them)."""
         return self._step_kind(query_length) in ("decode", "concat")
 
-    def _slot_positions(self, length: int) -> torch.Tensor:
-        """Absolute position held by every slot when `length` tokens have been written, `-1` where empty/stale."""
-        capacity = self.max_slots
-        positions = (length - 1) - torch.remainder((length - 1) - self._slot_ids, capacity)
-        return torch.where(positions >= self._oldest, positions, -1)
+    def _slot_positions(self, length: int | torch.Tensor, oldest: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Absolute position held by every slot when `length` tokens have been written, `-1` where empty/stale.
+
+        `length` and `oldest` (default: the held `_oldest`) may be 0-d tensors: the compiled path passes its counter
+        tensors so that no Python integer (nor a device sync) is involved.
+        """
+        oldest = self._oldest if oldest is None else oldest
+        positions = (length - 1) - torch.remainder((length - 1) - self._slot_ids, self.max_slots)
+        return torch.where(positions >= oldest, positions, -1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:
         length, kind = self.cumulative_length, self._step_kind(query_length)
@@ -567,10 +571,7 @@ class StaticRingSlidingLayer(RingSlidingLayer):
         if query_length != 1:
             return super().get_mask_sizes(query_length)
         # Positions after writing position `length` at slot `length % capacity`; computed from the tensors alone.
-        written = self.length_tensor.to(self._slot_ids.device)
-        positions = written - torch.remainder(written - self._slot_ids, self.max_slots)
-        valid = positions >= self.oldest_tensor.to(self._slot_ids.device)
-        return self.max_slots, RingLayout(torch.where(valid, positions, -1))
+        return self.max_slots, RingLayout(self._slot_positions(self.length_tensor + 1, self.oldest_tensor))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
