@@ -43,7 +43,6 @@ import gc
 import json
 import os
 import platform
-import resource
 import shlex
 import statistics
 import sys
@@ -56,7 +55,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .compare import CACHE_NAMES, kv_bytes_held, layer_kv_geometry, make_cache, text_config
+from .compare import CACHE_NAMES, kv_bytes_held, layer_kv_geometry, make_cache, peak_rss_bytes, text_config
 
 __all__ = [
     "BenchResult",
@@ -163,12 +162,6 @@ def measure_bandwidth(nbytes: int = 2**30, repeats: int = 5, device: torch.devic
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return {"bytes": nbytes, "best_s": best, "gbps": 2 * nbytes / best / 1e9}
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (``ru_maxrss``)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def current_rss_bytes() -> int:

@@ -1,8 +1,10 @@
-"""The caches `HybridRingCache` is compared against, and what a cache holds: shared by the perplexity evaluation and
-the decode benchmark, so both build the same caches and count bytes the same way."""
+"""The caches `HybridRingCache` is compared against, and what a cache (and the process) holds: shared by the
+perplexity evaluation and the decode benchmark, so both build the same caches and count bytes the same way."""
 
 from __future__ import annotations
 
+import resource
+import sys
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ __all__ = [
     "kv_bytes_held",
     "layer_kv_geometry",
     "make_cache",
+    "peak_rss_bytes",
     "text_config",
 ]
 
@@ -88,3 +91,9 @@ def kv_bytes_held(cache: Any) -> int:
                     seen.add(storage.data_ptr())
                     total += storage.nbytes()
     return total
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (`getrusage` `ru_maxrss`: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)

@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 
 from . import compare
-from .compare import full_cache_bytes_per_token, kv_bytes_held, text_config
+from .compare import full_cache_bytes_per_token, kv_bytes_held, peak_rss_bytes, text_config
 
 CACHE_NAMES = (*compare.CACHE_NAMES, "none")
 
@@ -75,12 +74,6 @@ class PerplexityResult:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (``getrusage`` ``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def kv_bytes(cache: Any) -> int:
