@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = HybridRingCache(model.config)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=False)
+        out = model.generate(**inputs, cache=cache, max_new_tokens=args.max_new_tokens, do_sample=False)
     seconds = time.perf_counter() - t0
     new_tokens = out.shape[1] - inputs.input_ids.shape[1]
     print(f"\n--- greedy generation ({new_tokens} new tokens, {new_tokens / seconds:.1f} tok/s) ---")

@@ -6,7 +6,7 @@ Run ``python -m hybrid_cache.bench --help`` (or the ``hybrid-cache-bench`` conso
 What is measured, per (dtype, context, batch, cache):
 
 - **ms/token**: wall time of one decode step (one new token for every sequence of the batch) through the model,
-  ``model(input_ids=[B, 1], position_ids=..., past_key_values=cache, use_cache=True)``, after a synthesized prefill
+  ``model(input_ids=[B, 1], position_ids=..., cache=cache, use_cache=True)``, after a synthesized prefill
   of ``context`` tokens and ``warmup`` untimed steps. Median and min over all timed steps of all repetitions.
   Repetitions are interleaved across caches (``for rep: for cache: prefill + decode``) so that machine noise hits
   every cache alike.
@@ -401,7 +401,7 @@ def count_update_copy_bytes(model: Any, cache: Any, step_inputs: dict[str, torch
     cache.update = counted_update
     try:
         with torch.inference_mode():
-            model(**step_inputs, past_key_values=cache, use_cache=True)
+            model(**step_inputs, cache=cache, use_cache=True)
     finally:
         del cache.update
     return counter.bytes, counter.by_op
@@ -534,7 +534,7 @@ def _outside_masks(model: Any, cache: Any, inputs: dict[str, torch.Tensor]) -> A
     build = getattr(model, "create_masks_for_generate", create_masks_for_generate)
     ids = inputs["input_ids"]
     masks = build(config=model.config, inputs_embeds=torch.empty((*ids.shape[:2], 0), dtype=model.dtype, device=ids.device),
-                  attention_mask=None, past_key_values=cache, position_ids=inputs["position_ids"])
+                  attention_mask=None, cache=cache, position_ids=inputs["position_ids"])
     if isinstance(masks, dict):
         return {k: v.contiguous() if v is not None else None for k, v in masks.items()}
     return masks.contiguous() if masks is not None else None
@@ -560,7 +560,7 @@ def _decode_once(model: Any, cache_name: str, batch: int, context: int, steps: i
     position = context
     with torch.inference_mode():
         for _ in range(warmup):
-            model(**_step_inputs(batch, position, vocab, generator, device), past_key_values=cache, use_cache=True)
+            model(**_step_inputs(batch, position, vocab, generator, device), cache=cache, use_cache=True)
             position += 1
     copy_bytes, by_op = 0, {}
     if count_copies:
@@ -575,7 +575,7 @@ def _decode_once(model: Any, cache_name: str, batch: int, context: int, steps: i
             timer.reset()
             _sync(device)
             start = time.perf_counter()
-            model(**inputs, past_key_values=cache, use_cache=True)
+            model(**inputs, cache=cache, use_cache=True)
             _sync(device)
             step_ms.append((time.perf_counter() - start) * 1e3)
             update_ms.append(timer.update_s * 1e3)
@@ -623,9 +623,9 @@ def _compiled_decode_once(model: Any, compiled: _Compiled, batch: int, context: 
 
     def call(forward, cache, inputs):
         if outside:
-            return forward(**inputs, attention_mask=_outside_masks(model, cache, inputs), past_key_values=cache,
+            return forward(**inputs, attention_mask=_outside_masks(model, cache, inputs), cache=cache,
                            use_cache=True)
-        return forward(**inputs, past_key_values=cache, use_cache=True)
+        return forward(**inputs, cache=cache, use_cache=True)
 
     check_steps = min(warmup, compiled.check_steps) if first_rep else 0
     eager_logits: list[torch.Tensor] = []
@@ -686,9 +686,9 @@ def _compiled_decode_once(model: Any, compiled: _Compiled, batch: int, context: 
             if outside:
                 masks = _outside_masks(model, cache, inputs)
                 mask_done = time.perf_counter()
-                compiled.forward(**inputs, attention_mask=masks, past_key_values=cache, use_cache=True)
+                compiled.forward(**inputs, attention_mask=masks, cache=cache, use_cache=True)
             else:
-                compiled.forward(**inputs, past_key_values=cache, use_cache=True)
+                compiled.forward(**inputs, cache=cache, use_cache=True)
             _sync(device)
             end = time.perf_counter()
             step_ms.append((end - start) * 1e3)
@@ -950,12 +950,12 @@ def profile_decode(model: Any, caches: Sequence[str], *, context: int, batch: in
         position = context
         with torch.inference_mode():
             for _ in range(2):
-                model(**_step_inputs(batch, position, vocab, generator, device), past_key_values=cache,
+                model(**_step_inputs(batch, position, vocab, generator, device), cache=cache,
                           use_cache=True)
                 position += 1
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 for _ in range(steps):
-                    model(**_step_inputs(batch, position, vocab, generator, device), past_key_values=cache,
+                    model(**_step_inputs(batch, position, vocab, generator, device), cache=cache,
                           use_cache=True)
                     position += 1
         tables[cache_name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit,
@@ -990,7 +990,7 @@ def prefill_chunk_check(model: Any, *, prompt_length: int = 32768, chunk_size: i
     rss_before = current_rss_bytes()
     start = time.perf_counter()
     with timer.instrument(model, cache), RssSampler() as sampler, torch.inference_mode():
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                                 prefill_chunk_size=chunk_size)
     elapsed = time.perf_counter() - start

@@ -135,7 +135,7 @@ class HybridRingCache(Cache):
     ```python
     >>> from hybrid_cache import HybridRingCache
     >>> cache = HybridRingCache(model.config)
-    >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    >>> out = model.generate(**inputs, cache=cache, max_new_tokens=64)
     >>> print(cache.memory_report())
     ```
     """

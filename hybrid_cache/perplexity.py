@@ -197,7 +197,7 @@ def evaluate_perplexity(
         bar = tqdm(total=n_tokens, desc=f"{cache_name:>7}", unit="tok", disable=not progress, leave=False)
         for start in range(0, n_tokens, chunk_size):
             chunk = ids[:, start : start + chunk_size]
-            hidden = base(input_ids=chunk, past_key_values=cache, use_cache=True).last_hidden_state[0]
+            hidden = base(input_ids=chunk, cache=cache, use_cache=True).last_hidden_state[0]
             # Position p of this chunk predicts token start+p+1; the very last token of the text predicts nothing.
             n_pred = min(chunk.shape[1], n_tokens - 1 - start)
             if n_pred > 0:

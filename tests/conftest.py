@@ -73,7 +73,7 @@ def chunked_logits(model, cache, input_ids: torch.Tensor, schedule: list[int], a
     for size in schedule:
         chunk = input_ids[:, position : position + size]
         mask = None if attention_mask is None else attention_mask[:, : position + size]
-        outputs.append(model(input_ids=chunk, attention_mask=mask, past_key_values=cache, use_cache=True).logits)
+        outputs.append(model(input_ids=chunk, attention_mask=mask, cache=cache, use_cache=True).logits)
         position += size
     assert position == input_ids.shape[1]
     return torch.cat(outputs, dim=1)

@@ -91,9 +91,9 @@ def generate(
     if cache == "none":
         kwargs["use_cache"] = False
     elif isinstance(cache, str):
-        kwargs["past_key_values"] = make_cache(cache, model)
+        kwargs["cache"] = make_cache(cache, model)
     else:
-        kwargs["past_key_values"] = cache
+        kwargs["cache"] = cache
     if with_logits:
         kwargs.update(return_dict_in_generate=True, output_logits=True)
     out = model.generate(
@@ -274,7 +274,7 @@ def test_deepcopy_prefix_two_continuations(model_name):
     model = get_model(model_name)
     prefix = random_prompt(PROMPT_LEN, seed=3)[None]
     prefix_cache = HybridRingCache(model.config)
-    model(input_ids=prefix, past_key_values=prefix_cache, use_cache=True)
+    model(input_ids=prefix, cache=prefix_cache, use_cache=True)
     assert prefix_cache.get_seq_length() == PROMPT_LEN > WINDOW
     for seed in (41, 42):
         continuation = random_prompt(4, seed=seed)[None]
@@ -290,22 +290,15 @@ def test_deepcopy_prefix_two_continuations(model_name):
 # --- 6. both spellings of the cache argument -------------------------------------------------------------------------
 @pytest.mark.parametrize("spelling", ["past_key_values", "cache"])
 def test_cache_argument_spelling(model_name, spelling):
+    """`cache=` is transformers' current name; the deprecated `past_key_values=` still works (with its FutureWarning)."""
     model, inputs = get_model(model_name), single_prompt()
     cache = HybridRingCache(model.config)
     kwargs = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": PAD}
     with torch.no_grad():
         if spelling == "cache":
-            try:
-                out = model.generate(**inputs, cache=cache, **kwargs)
-            except ValueError as error:
-                if "model_kwargs` are not used by the model: ['cache']" in str(error):
-                    pytest.skip(
-                        "transformers' generate() does not accept `cache=`: GenerationMixin.generate has no `cache` "
-                        "parameter, forwards it as a model kwarg, and _validate_model_kwargs rejects it "
-                        f"({error})"
-                    )
-                raise
+            out = model.generate(**inputs, cache=cache, **kwargs)
         else:
-            out = model.generate(**inputs, past_key_values=cache, **kwargs)
+            with pytest.warns(FutureWarning, match="past_key_values"):
+                out = model.generate(**inputs, past_key_values=cache, **kwargs)
     assert cache.get_seq_length() == out.shape[-1] - 1, "the cache passed in was not the one used"
     assert_same(out, generate(model, inputs, "dynamic", do_sample=False), "ring vs DynamicCache")

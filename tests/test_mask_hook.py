@@ -188,7 +188,7 @@ def test_prepared_4d_mask_after_wrap_raises():
     chunked_logits(model, cache, input_ids[:, :6], [6])
     mask_4d = torch.ones(1, 1, 1, 7, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="4D attention mask"):
-        model(input_ids=input_ids[:, 6:7], attention_mask=mask_4d, past_key_values=cache)
+        model(input_ids=input_ids[:, 6:7], attention_mask=mask_4d, cache=cache)
 
 
 def test_mask_interface_default_instance_sees_hook():
@@ -202,10 +202,10 @@ def test_image_blocks_after_the_wrap_raise_clearly():
     model = tiny_gemma3_multimodal(window=4)
     cache = HybridRingCache(model.config)
     with torch.no_grad():
-        model(input_ids=torch.randint(3, VOCAB - 4, (1, 10)), past_key_values=cache)  # the rings wrap
+        model(input_ids=torch.randint(3, VOCAB - 4, (1, 10)), cache=cache)  # the rings wrap
         chunk = torch.tensor([[5, VOCAB - 2] + [VOCAB - 1] * 4 + [VOCAB - 3, 7]])
         with pytest.raises(UnsupportedAttentionError, match="kv_offset"):
             model(
                 input_ids=chunk, pixel_values=torch.randn(1, 3, 28, 28), token_type_ids=(chunk == VOCAB - 1).long(),
-                attention_mask=torch.ones(1, 18, dtype=torch.long), past_key_values=cache,
+                attention_mask=torch.ones(1, 18, dtype=torch.long), cache=cache,
             )

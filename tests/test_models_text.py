@@ -225,7 +225,7 @@ def test_kv_bytes_counts_dynamic_cache():
     model = tiny_model(window=6, layers=6)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.arange(4, 24)[None], past_key_values=cache, use_cache=True)
+        model(input_ids=torch.arange(4, 24)[None], cache=cache, use_cache=True)
     # 5 sliding layers keep <= 20 tokens (transformers keeps window-1 = 5 after a prefill), 1 full layer keeps 20
     per_token_layer = 2 * 2 * 8 * 4  # K+V, 2 KV heads, head_dim 8, fp32
     assert per_token_layer * 20 <= kv_bytes(cache) <= per_token_layer * 20 * 6
