@@ -1,5 +1,6 @@
 """hybrid_cache: an exact, memory-minimal KV cache for transformers' hybrid local/global attention models."""
 
+from .attention_maps import attention_in_time_order
 from .cache import HybridRingCache, MemoryReport
 from .layers import (
     CacheCapacityError,
@@ -12,6 +13,7 @@ from .layers import (
 from .mask_hook import (
     RingLayout,
     UnsupportedAttentionError,
+    WindowMismatchError,
     install_mask_hook,
     is_mask_hook_installed,
     uninstall_mask_hook,
@@ -28,6 +30,8 @@ __all__ = [
     "StaticFullLayer",
     "StaticRingSlidingLayer",
     "UnsupportedAttentionError",
+    "WindowMismatchError",
+    "attention_in_time_order",
     "install_mask_hook",
     "is_mask_hook_installed",
     "uninstall_mask_hook",

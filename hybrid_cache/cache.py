@@ -12,7 +12,13 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import is_torchdynamo_compiling
 
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
-from .mask_hook import DenseMaskRequest, RingLayout, check_ring_attention_supported, install_mask_hook
+from .mask_hook import (
+    DenseMaskRequest,
+    RingLayout,
+    check_ring_attention_supported,
+    install_mask_hook,
+    is_mask_hook_installed,
+)
 
 __all__ = ["HybridRingCache", "MemoryReport"]
 
@@ -29,9 +35,12 @@ class MemoryReport:
 
     Attributes:
         tokens: tokens seen so far (cache length).
-        total_bytes: bytes of key/value storage actually allocated (every layer).
+        total_bytes: bytes of every tensor the cache keeps alive: key/value storage, plus `extra_bytes`.
         full_cache_bytes: bytes a full (non-sliding) cache of every storing layer would hold for `tokens` tokens.
-        bytes_by_type: allocated bytes per layer type (`sliding_attention`, `full_attention`, `shared`).
+        kv_bytes: bytes of key/value storage actually allocated (every layer).
+        extra_bytes: everything else the cache keeps alive: the window kept to undo the last speculative step (while
+            past recording is on, see `HybridRingCache.deactivate_past_recording`) and the fixed mode's counters.
+        bytes_by_type: allocated key/value bytes per layer type (`sliding_attention`, `full_attention`, `shared`).
         layers_by_type: number of layers of each type.
         slots_by_type: allocated token slots per layer of each type (capacity).
         per_layer: `(layer_type, bytes)` for every layer.
@@ -40,6 +49,8 @@ class MemoryReport:
     tokens: int
     total_bytes: int
     full_cache_bytes: int
+    kv_bytes: int = 0
+    extra_bytes: int = 0
     bytes_by_type: dict[str, int] = field(default_factory=dict)
     layers_by_type: dict[str, int] = field(default_factory=dict)
     slots_by_type: dict[str, list[int]] = field(default_factory=dict)
@@ -56,6 +67,8 @@ class MemoryReport:
             slots = sorted(set(self.slots_by_type.get(layer_type, []))) or [0]
             slot_text = "/".join(str(s) for s in slots)
             lines.append(f"  {layer_type:<18}{count:>7}{slot_text:>13}{self.bytes_by_type[layer_type] / 2**20:>11.3f}")
+        if self.extra_bytes:
+            lines.append(f"  {'rollback, counters':<18}{'':>7}{'':>13}{self.extra_bytes / 2**20:>11.3f}")
         lines.append(f"  {'total':<18}{sum(self.layers_by_type.values()):>7}{'':>13}{self.total_bytes / 2**20:>11.3f}")
         lines.append(
             f"  full cache of every storing layer: {self.full_cache_bytes / 2**20:.3f} MiB "
@@ -173,7 +186,17 @@ class HybridRingCache(Cache):
             else:
                 layers.append(GrowableFullLayer(initial_capacity))
         super().__init__(layers=layers)
-        self._ring_mask_request: tuple[int, int] | None = None
+        # The ring layout announced to the mask of the current step; the hook marks it served (see `update`).
+        self._issued_layout: RingLayout | None = None
+        self._issued_step: tuple[int, int] | None = None
+        self._verified_step: tuple[int, int] | None = None  # the step whose served layout the first update checked
+        self._first_ring = next((i for i, layer in enumerate(layers) if isinstance(layer, RingSlidingLayer)), None)
+        install_mask_hook()
+
+    def __setstate__(self, state: dict) -> None:
+        # Unpickling (`pickle`, `torch.load`, `copy.deepcopy` in a new process) skips `__init__`: the mask hook must
+        # be in place before the first step after the wrap, whichever process this is.
+        self.__dict__.update(state)
         install_mask_hook()
 
     # --- guarded entry points -------------------------------------------------------------------------------------
@@ -191,34 +214,104 @@ class HybridRingCache(Cache):
                 f"Layer {layer_idx} is KV-shared (kv_sharing_modes='reuse') and stores nothing, but the model called "
                 f"update() for it: the cache was built from a config that does not match the model."
             )
-        if (
-            not is_torchdynamo_compiling()  # the checks read Python counters; compiled steps were checked eagerly
-            and isinstance(layer, RingSlidingLayer)
-            and layer.needs_ring_layout(key_states.shape[-2])
-        ):
-            self._check_ring_mask_was_built(layer, key_states.shape[-2])
+        if not is_torchdynamo_compiling():  # the checks read Python counters; compiled steps were checked eagerly
+            self._check_ring_mask_was_built(layer_idx, key_states.shape[-2])
         return layer.update(key_states, value_states, *args, **kwargs)
 
-    def _check_ring_mask_was_built(self, layer: RingSlidingLayer, query_length: int) -> None:
-        """A wrapped ring is only exact if this step's mask came from `get_mask_sizes` through the hook."""
+    def _check_ring_mask_was_built(self, layer_idx: int, query_length: int) -> None:
+        """A wrapped ring's one-token step is only exact if this step's mask was built by the hook from the layout
+        `get_mask_sizes` announced. Checked before any layer of the step is written (also at a full layer that comes
+        before the first ring), so a refused step leaves the cache as it was."""
+        if self._first_ring is None or layer_idx > self._first_ring and not isinstance(
+            self.layers[layer_idx], RingSlidingLayer
+        ):
+            return  # full layers after the first ring: the first ring already checked this step
+        ring = self.layers[layer_idx] if layer_idx >= self._first_ring else self.layers[self._first_ring]
+        if not isinstance(ring, RingSlidingLayer) or not ring.needs_ring_layout(query_length):
+            return
+        step = (ring.cumulative_length, query_length)
+        if self._verified_step == step:
+            return  # a later layer of the step whose layout the first one verified
         check_ring_attention_supported(getattr(self.config, "_attn_implementation", None))
-        if self._ring_mask_request != (layer.cumulative_length, query_length):
+        layout, self._issued_layout = self._issued_layout, None  # checked once; do not keep its tensor alive
+        if layout is None or not layout.served or self._issued_step != step:
             raise RuntimeError(
                 "HybridRingCache's sliding-window ring has wrapped, but no attention mask was built for its slot "
                 "layout in this forward pass (the model was given a prepared 4D attention mask, or its attention "
                 "does not use transformers' mask functions). Pass a 2D attention mask (or none) so the model builds "
                 "its masks itself, or use `DynamicCache` for this model."
             )
+        self._verified_step = step
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int | RingLayout]:
         kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
         if query_length == 1 and not isinstance(kv_offset, RingLayout) and self._wants_dense_mask(layer_idx):
+            if not is_mask_hook_installed(getattr(self.config, "_attn_implementation", None) or "sdpa"):
+                install_mask_hook()  # only a performance request, but it needs the hook to be honoured
             return kv_length, DenseMaskRequest(kv_offset)
         if isinstance(kv_offset, RingLayout) and not is_torchdynamo_compiling():
             # Only a wrapped ring needs the hook: check now that it will be the one serving this mask.
             check_ring_attention_supported(getattr(self.config, "_attn_implementation", None))
-            self._ring_mask_request = (self.layers[layer_idx].cumulative_length, query_length)
+            self._issued_layout = kv_offset
+            self._issued_step = (self.layers[layer_idx].cumulative_length, query_length)
         return kv_length, kv_offset
+
+    def key_positions(self, layer_idx: int) -> torch.Tensor:
+        """Absolute token position of every key that layer `layer_idx` returned in the last step, in the order the
+        attention saw them (`-1`: an empty slot, always masked).
+
+        After the wrap a sliding layer's one-token step attends over the ring in slot order, so column `j` of its
+        attention weights (`output_attentions=True`) belongs to position `key_positions(layer_idx)[j]`, not `j`. Use
+        `hybrid_cache.attention_in_time_order(weights, cache.key_positions(layer_idx))` to get time-ordered maps.
+        KV-shared layers attend over the keys of the last storing layer of their type: pass that layer's index.
+        """
+        layer = self.layers[layer_idx]
+        if not hasattr(layer, "key_positions"):
+            raise ValueError(
+                f"Layer {layer_idx} is KV-shared and stores nothing; its attention uses the keys of the last storing "
+                f"layer of the same type: call key_positions() with that layer's index."
+            )
+        return layer.key_positions()
+
+    # --- state changes that must be all-or-nothing ------------------------------------------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back tokens in every layer (negative: how many; positive, legacy: the length to keep), exactly or not
+        at all: every layer is checked first, so a refused crop raises `RollbackError` and changes nothing."""
+        storing = [layer for layer in self.layers if not isinstance(layer, DummyLayer)]
+        for layer in storing:
+            layer.check_crop(tokens_to_remove)
+        for layer in storing:
+            layer.crop(tokens_to_remove)
+        self._forget_step_layout()
+
+    def reset(self) -> None:
+        super().reset()
+        self._forget_step_layout()
+
+    def _forget_step_layout(self) -> None:
+        # After a crop or reset the same (length, query length) step can come again: it must get a new layout.
+        self._issued_layout = self._issued_step = self._verified_step = None
+
+    def deactivate_past_recording(self) -> None:
+        """Stop keeping the window of the last multi-token step for rollbacks, and release it.
+
+        `generate`'s assisted and prompt-lookup decoding turn recording on and never off. The cache turns it off
+        itself when a recorded step is not rolled back before the next one (speculation is over) and when a new
+        `generate` call starts; call this to release the kept window right away (e.g. before a long prefill)."""
+        for layer in self.layers:
+            if isinstance(layer, RingSlidingLayer):
+                layer.deactivate_past_recording()
+
+    @property
+    def _is_user_defined(self) -> bool:
+        return getattr(self, "_user_defined_by_generate", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        # transformers' `generate` sets this on a cache passed in, once per call, before its first forward: a new
+        # generation starts, so recording left on by an earlier assisted generation must not copy this prefill.
+        self._user_defined_by_generate = value
+        self.deactivate_past_recording()
 
     def _wants_dense_mask(self, layer_idx: int) -> bool:
         if self.max_cache_len is not None or layer_idx >= len(self.layers):
@@ -258,13 +351,17 @@ class HybridRingCache(Cache):
         return self.max_cache_len is not None
 
     def memory_report(self) -> MemoryReport:
-        """Bytes held per layer type and in total, against a full cache of every storing layer for the same tokens."""
+        """Bytes held per layer type and in total (every tensor the cache keeps alive), against a full cache of every
+        storing layer for the same tokens."""
         tokens = int(self.get_seq_length())
         report = MemoryReport(tokens=tokens, total_bytes=0, full_cache_bytes=0)
         for kind, layer in zip(self.layer_kinds, self.layers):
             held = layer.nbytes() if hasattr(layer, "nbytes") else 0
+            extra = layer.extra_nbytes() if hasattr(layer, "extra_nbytes") else 0
             report.per_layer.append((kind, held))
-            report.total_bytes += held
+            report.kv_bytes += held
+            report.extra_bytes += extra
+            report.total_bytes += held + extra
             report.bytes_by_type[kind] = report.bytes_by_type.get(kind, 0) + held
             report.layers_by_type[kind] = report.layers_by_type.get(kind, 0) + 1
             report.slots_by_type.setdefault(kind, []).append(getattr(layer, "capacity", 0))

@@ -101,6 +101,8 @@ class _StorageLayer(CacheLayerMixin):
     """Shared allocation logic: lazy allocation from the first `update`, on the tensors' own device and dtype."""
 
     is_croppable = True
+    # Tensors a layer owns besides `keys` / `values` that in-place updates touch (the static layers' counters).
+    _counter_names: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         super().__init__()
@@ -141,6 +143,37 @@ class _StorageLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         else:
             _check_shapes(self, key_states, value_states)
+        self._make_writable(torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad))
+
+    def _make_writable(self, new_states_need_grad: bool = False) -> None:
+        """Make the storage safe to write in place, whatever the autograd / inference mode of earlier steps.
+
+        - Tensors allocated under `torch.inference_mode()` (pipelines fill caches that way) cannot be written in
+          place outside it: outside inference mode they are replaced once by normal copies.
+        - With gradients (chunked training, truncated backprop), an earlier step's attention saved the returned
+          keys for backward: writing into them in place would make `backward()` fail. The storage is then copied
+          before each write (out of place, like `DynamicCache`'s `cat`), so every saved tensor stays intact.
+        """
+        if not self.is_initialized:
+            return
+        outside_inference = not torch.is_inference_mode_enabled()
+        tracks_grad = new_states_need_grad or self.keys.requires_grad or self.values.requires_grad
+        if tracks_grad:
+            self._check_autograd_allowed()
+        if tracks_grad or (outside_inference and self.keys.is_inference()):
+            self.keys, self.values = self.keys.clone(), self.values.clone()
+            self._restatic(self.keys, self.values)
+        if outside_inference:
+            for name in self._counter_names:
+                if getattr(self, name).is_inference():
+                    setattr(self, name, getattr(self, name).clone())
+                    self._restatic(getattr(self, name))
+
+    def _check_autograd_allowed(self) -> None:
+        """Layers with static addresses (compiled mode) override this to refuse copying on every step."""
+
+    def _restatic(self, *tensors: torch.Tensor) -> None:
+        """Layers with static addresses mark their replacement tensors static again."""
 
     @property
     def capacity(self) -> int:
@@ -152,6 +185,12 @@ class _StorageLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+    def extra_nbytes(self) -> int:
+        """Bytes of everything else the layer keeps alive (counters, rollback copies); see `RingSlidingLayer`."""
+        if not self.is_initialized:
+            return 0
+        return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in self._counter_names)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -169,16 +208,20 @@ class _StorageLayer(CacheLayerMixin):
     def _reorder_in_place(self, beam_idx: torch.LongTensor) -> None:
         # In place, to keep the static addresses that compiled graphs captured.
         if self.is_initialized:
+            self._make_writable()
             beam_idx = beam_idx.to(self.device)
             self.keys.copy_(self.keys.index_select(0, beam_idx))
             self.values.copy_(self.values.index_select(0, beam_idx))
 
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise (changing nothing) if `crop(tokens_to_remove)` cannot be exact; the container checks every layer
+        first so that a refused crop leaves the whole cache as it was."""
+        _resolve_crop_length(tokens_to_remove, self.cumulative_length)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Time-ordered storage: a rollback only moves the length (negative: tokens to remove; positive, legacy:
         the length to keep)."""
-        if tokens_to_remove > 0:
-            tokens_to_remove = tokens_to_remove - self.cumulative_length
-        self.cumulative_length = max(0, self.cumulative_length + min(tokens_to_remove, 0))
+        self.cumulative_length = _resolve_crop_length(tokens_to_remove, self.cumulative_length)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
@@ -193,15 +236,28 @@ class _StorageLayer(CacheLayerMixin):
             self.batch_size = self.keys.shape[0]
 
 
+def _resolve_crop_length(tokens_to_remove: int, length: int) -> int:
+    """The length after `crop(tokens_to_remove)`: negative removes tokens (transformers' convention), positive is the
+    legacy "length to keep"; raises when that is not a length the cache has."""
+    if tokens_to_remove > 0:
+        if tokens_to_remove > length:
+            raise ValueError(f"Cannot crop to {tokens_to_remove} tokens: only {length} are cached.")
+        return tokens_to_remove
+    if length + tokens_to_remove < 0:
+        raise RollbackError(f"Cannot remove {-tokens_to_remove} tokens: only {length} are cached.")
+    return length + tokens_to_remove
+
+
 class _StepUndo(NamedTuple):
-    """What `crop` needs to undo the last multi-token step of a wrapped ring (kept only while recording past)."""
+    """What `crop` needs to undo the last multi-token step of a wrapped ring (kept only while recording past).
+
+    `keys` / `values` are the step's returned tensors: the held positions `[oldest, length)` in time order followed
+    by the step's new tokens, a `cat` the step makes anyway; keeping it costs no copy."""
 
     length: int  # cache length before the step
     oldest: int  # oldest held position before the step
-    held_keys: torch.Tensor | None  # the ring's slots before the step (None: nothing was held)
-    held_values: torch.Tensor | None
-    new_keys: torch.Tensor  # the step's tokens
-    new_values: torch.Tensor
+    keys: torch.Tensor  # [batch, kv_heads, length - oldest + q, head_dim], positions oldest .. length + q - 1
+    values: torch.Tensor
 
 
 class RingSlidingLayer(_StorageLayer):
@@ -209,8 +265,9 @@ class RingSlidingLayer(_StorageLayer):
 
     A one-token step writes its key/value in place at slot `position % capacity` (no copy of the window, no `cat`,
     no `roll`) and returns the whole ring; the ring's slot order is described to the mask by a `RingLayout`.
-    A multi-token step returns the held slots followed by the new tokens (so every query sees its full window),
-    then keeps only the newest tokens. Keys are never moved to another position, so RoPE stays valid.
+    A multi-token step returns the held positions in time order followed by the new tokens (one `cat`, so every
+    query sees its full window and the mask is transformers' own with an integer offset), then keeps only the newest
+    tokens. Keys are never moved to another position, so RoPE stays valid.
 
     Args:
         sliding_window (`int`): the model's window `W` (a query sees `W` keys including itself).
@@ -237,7 +294,8 @@ class RingSlidingLayer(_StorageLayer):
         self._oldest = 0  # lowest absolute position still held in the ring
         self.record_past = False
         self._undo: _StepUndo | None = None
-        self._slot_ids = torch.arange(self.max_slots)
+        # What the last `update` returned, for `key_positions`: ("range", first, end) or ("ring", length, oldest).
+        self._returned: tuple[str, int, int] = ("range", 0, 0)
 
     @property
     def max_slots(self) -> int:
@@ -247,16 +305,20 @@ class RingSlidingLayer(_StorageLayer):
         # Short sequences never need the whole window: start at the first step's size and grow (while the ring is
         # still in time order) up to `max_slots`, so a 60-token chat holds 60 slots, not 512.
         self._allocate(key_states, value_states, min(self.max_slots, key_states.shape[-2]))
-        self._slot_ids = self._slot_ids.to(self.device)
 
     def activate_past_recording(self) -> None:
         """Called by assisted / prompt-lookup decoding before steps that may be rolled back with `crop(-n)`.
 
-        While recording, a wrapped multi-token step keeps the copy of the window it already makes (`cat` of the held
-        slots and the new tokens) until the next update, so `crop` can undo any part of that step exactly without
-        growing the ring. Rollback of tokens from earlier steps is limited to `rollback_margin + 1` tokens.
+        While recording, a wrapped multi-token step keeps the time-ordered window it returns (a `cat` it makes
+        anyway) until the next `update` or `crop`, so `crop` can undo any part of that step exactly without growing
+        the ring. Rollback of tokens from earlier steps is limited to `rollback_margin + 1` tokens.
         """
         self.record_past = True
+
+    def deactivate_past_recording(self) -> None:
+        """Stop recording and release the kept window (see `HybridRingCache.deactivate_past_recording`)."""
+        self.record_past = False
+        self._undo = None
 
     # --- layout -------------------------------------------------------------------------------------------------
     def _is_time_ordered(self, query_length: int) -> bool:
@@ -269,18 +331,16 @@ class RingSlidingLayer(_StorageLayer):
 
         - "ordered": the ring has not wrapped and will not: write in place, return slots `[0, length + q)`.
         - "decode": one token into a wrapped ring: write slot `length % capacity`, return the whole ring.
-        - "fresh": nothing held (a prompt longer than the ring): return the new tokens, keep the newest.
-        - "concat": return the held slots followed by the new tokens, then keep the newest.
+        - "window": return the held positions `[oldest, length)` in time order followed by the new tokens, then
+          keep the newest (a prompt longer than the ring, a chunk after the wrap, a verification step).
         """
         if self._is_time_ordered(query_length):
             return "ordered"
-        if query_length == 1:
-            return "decode"
-        return "fresh" if self.cumulative_length == self._oldest else "concat"
+        return "decode" if query_length == 1 else "window"
 
     def needs_ring_layout(self, query_length: int) -> bool:
         """True when the keys returned for this step are not in time order (a `RingLayout` describes them)."""
-        return self._step_kind(query_length) in ("decode", "concat")
+        return self._step_kind(query_length) == "decode"
 
     def _slot_positions(self, length: int | torch.Tensor, oldest: int | torch.Tensor | None = None) -> torch.Tensor:
         """Absolute position held by every slot when `length` tokens have been written, `-1` where empty/stale.
@@ -289,19 +349,27 @@ class RingSlidingLayer(_StorageLayer):
         tensors so that no Python integer (nor a device sync) is involved.
         """
         oldest = self._oldest if oldest is None else oldest
-        positions = (length - 1) - torch.remainder((length - 1) - self._slot_ids, self.max_slots)
+        slot_ids = torch.arange(self.max_slots, device=self.keys.device if self.is_initialized else None)
+        positions = (length - 1) - torch.remainder((length - 1) - slot_ids, self.max_slots)
         return torch.where(positions >= oldest, positions, -1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:
         length, kind = self.cumulative_length, self._step_kind(query_length)
         if kind == "ordered":
             return length + query_length, 0
-        if kind == "fresh":
-            return query_length, length
         if kind == "decode":  # the ring after writing position `length`
-            return self.max_slots, RingLayout(self._slot_positions(length + 1))
-        new_positions = torch.arange(length, length + query_length, device=self._slot_ids.device)
-        return self.max_slots + query_length, RingLayout(torch.cat([self._slot_positions(length), new_positions]))
+            return self.max_slots, RingLayout(self._slot_positions(length + 1), end=length + 1)
+        return length - self._oldest + query_length, self._oldest
+
+    def key_positions(self) -> torch.Tensor:
+        """Absolute position of every key the last `update` returned, in the order returned (`-1`: empty slot).
+
+        Column `j` of this layer's attention weights (`output_attentions=True`) belongs to position
+        `key_positions()[j]`; see `hybrid_cache.attention_in_time_order`."""
+        kind, first, second = self._returned
+        if kind == "ring":
+            return self._slot_positions(first, second)
+        return torch.arange(first, second, device=self.keys.device if self.is_initialized else None)
 
     # --- update ---------------------------------------------------------------------------------------------------
     def update(
@@ -316,6 +384,10 @@ class RingSlidingLayer(_StorageLayer):
         self._prepare(key_states, value_states)
         query_length = key_states.shape[-2]
         length = self.cumulative_length
+        if self._undo is not None and self.record_past:
+            # The last recorded step was never rolled back: speculative decoding (update, crop, update, crop, ...)
+            # is over, so stop recording instead of keeping a window copy alive after every later step.
+            self.record_past = False
         self._undo = None
         kind = self._step_kind(query_length)
 
@@ -325,6 +397,7 @@ class RingSlidingLayer(_StorageLayer):
             self.keys[:, :, length:end].copy_(key_states)
             self.values[:, :, length:end].copy_(value_states)
             self._advance(query_length)
+            self._returned = ("range", 0, end)
             return self.keys[:, :, :end], self.values[:, :, :end]
 
         # From here on the ring has (or gets) all its slots; the held prefix keeps its slots `p % capacity == p`.
@@ -334,24 +407,37 @@ class RingSlidingLayer(_StorageLayer):
             self.keys[:, :, slot : slot + 1].copy_(key_states)
             self.values[:, :, slot : slot + 1].copy_(value_states)
             self._advance(1)
+            self._returned = ("ring", self.cumulative_length, self._oldest)
             return self.keys, self.values
 
-        if kind == "fresh":
-            returned_keys, returned_values = key_states, value_states
-            held_keys = held_values = None
+        # The held window must be copied out (in time order) before the write below overwrites it.
+        oldest = self._oldest
+        if length > oldest:
+            held_keys, held_values = self._held_in_time_order()
+            returned_keys = torch.cat([*held_keys, key_states], dim=-2)
+            returned_values = torch.cat([*held_values, value_states], dim=-2)
         else:
-            # The held window must be copied out before the write below overwrites it.
-            returned_keys = torch.cat([self.keys, key_states], dim=-2)
-            returned_values = torch.cat([self.values, value_states], dim=-2)
-            held_keys, held_values = returned_keys[:, :, : self.max_slots], returned_values[:, :, : self.max_slots]
+            returned_keys, returned_values = key_states, value_states
         if self.record_past:
-            # Speculative step: keep what `crop` needs to undo it (views of tensors that exist anyway).
-            self._undo = _StepUndo(length, self._oldest, held_keys, held_values, key_states, value_states)
+            # Speculative step: keep what `crop` needs to undo it (the returned tensors, which exist anyway).
+            self._undo = _StepUndo(length, oldest, returned_keys, returned_values)
         self._write_newest(key_states, value_states)
+        self._returned = ("range", oldest, length + query_length)
         return returned_keys, returned_values
 
+    def _held_in_time_order(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views of the slots holding positions `[oldest, length)`, oldest first: one piece, or two across the end."""
+        capacity = self.max_slots
+        count = self.cumulative_length - self._oldest
+        start = self._oldest % capacity
+        pieces = [(start, min(start + count, capacity))]
+        if start + count > capacity:
+            pieces.append((0, start + count - capacity))
+        return [self.keys[:, :, a:b] for a, b in pieces], [self.values[:, :, a:b] for a, b in pieces]
+
     def _write_newest(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Write the last `min(n, capacity)` new tokens at `position % capacity` (at most two contiguous pieces)."""
+        """Write `n` tokens as positions `[length, length + n)`, keeping the newest `min(n, capacity)` at
+        `position % capacity` (at most two contiguous pieces), and advance the length."""
         query_length = key_states.shape[-2]
         capacity = self.max_slots
         kept = min(query_length, capacity)
@@ -374,56 +460,61 @@ class RingSlidingLayer(_StorageLayer):
     def get_max_length(self) -> int:
         return self.max_slots
 
+    def extra_nbytes(self) -> int:
+        """Counters plus the window kept for undoing the last speculative step (while recording past)."""
+        undo = self._undo
+        storages = {} if undo is None else {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                            for t in (undo.keys, undo.values)}
+        return super().extra_nbytes() + sum(storages.values())
+
     def reset(self) -> None:
         super().reset()
         self._oldest = 0
         self.record_past = False
         self._undo = None
+        self._returned = ("range", 0, 0)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Roll back the last `-tokens_to_remove` tokens (negative, transformers' convention), exactly or not at all.
+    def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
+        """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise without changing anything.
 
         The next query (at the new length `L`) needs positions `L - W + 1 .. L - 1`; they are all still held iff
-        `_oldest <= max(0, L - W + 1)`. Otherwise, if past recording is on and `L` falls inside the last multi-token
-        step, that step is undone from its saved copy and its first tokens rewritten; else we raise.
+        `_oldest <= max(0, L - W + 1)`. Otherwise, if `L` falls inside the last recorded multi-token step, that step
+        is undone from its kept window; else the rollback cannot be exact and we raise.
         """
-        if tokens_to_remove > 0:
-            # Legacy transformers convention: a positive value is the length to keep.
-            tokens_to_remove = tokens_to_remove - self.cumulative_length
-            if tokens_to_remove > 0:
-                raise ValueError(f"Cannot crop to {tokens_to_remove + self.cumulative_length} tokens: only "
-                                 f"{self.cumulative_length} are cached.")
-        remove = -tokens_to_remove
-        if remove == 0:
-            return
-        new_length = self.cumulative_length - remove
-        if new_length < 0:
-            raise RollbackError(f"Cannot remove {remove} tokens: only {self.cumulative_length} are cached.")
+        new_length = _resolve_crop_length(tokens_to_remove, self.cumulative_length)
         if self._oldest <= max(0, new_length - self.sliding_window + 1):
+            return new_length, False
+        if self._undo is not None and self._undo.length <= new_length:
+            return new_length, True
+        raise RollbackError(
+            f"Cannot roll back to {new_length} tokens exactly: the sliding-window ring ({self.max_slots} slots = "
+            f"window {self.sliding_window} + margin {self.rollback_margin}) already overwrote tokens the next query "
+            f"needs (it can undo at most {self.rollback_margin + 1} tokens after the wrap). Create the cache with "
+            f"`HybridRingCache(config, rollback_margin=N)` for N >= {self.cumulative_length - new_length - 1}, call "
+            f"`cache.activate_past_recording()` before the speculative step, or use `cache.checkpoint()` / "
+            f"`cache.restore()` for longer rollbacks."
+        )
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        self._crop_plan(tokens_to_remove)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back tokens (negative: how many, transformers' convention; positive: the length to keep), exactly or
+        not at all: a refused crop raises `RollbackError` and changes nothing. Any crop resolves the last speculative
+        step, so the window kept to undo it is released."""
+        new_length, undo_step = self._crop_plan(tokens_to_remove)
+        undo, self._undo = self._undo, None
+        if not undo_step:
             self.cumulative_length = new_length
             return
-        undo = self._undo
-        if undo is not None and undo.length <= new_length:
-            self._undo = None
-            if undo.held_keys is not None:
-                self.keys.copy_(undo.held_keys)
-                self.values.copy_(undo.held_values)
-            self.cumulative_length, self._oldest = undo.length, undo.oldest
-            kept = new_length - undo.length
-            if kept:
-                self._write_newest(undo.new_keys[:, :, :kept], undo.new_values[:, :, :kept])
-            return
-        raise RollbackError(
-            f"Cannot roll back {remove} tokens exactly: the sliding-window ring ({self.max_slots} slots = window "
-            f"{self.sliding_window} + margin {self.rollback_margin}) already overwrote tokens the next query "
-            f"needs (it can undo at most {self.rollback_margin + 1} tokens after the wrap). Create the cache with "
-            f"`HybridRingCache(config, rollback_margin=N)` for N >= {remove - 1}, or call "
-            f"`cache.activate_past_recording()` before the speculative step."
-        )
+        self._make_writable()
+        # Rewrite positions [oldest, new_length) from the step's time-ordered window; the newest `capacity` stay.
+        self.cumulative_length, self._oldest = undo.oldest, undo.oldest
+        self._write_newest(undo.keys[:, :, : new_length - undo.oldest], undo.values[:, :, : new_length - undo.oldest])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._undo = None  # saved in the old batch order: a later rollback must not restore it
+        self._undo = None  # kept in the old batch order: a later rollback must not restore it
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
@@ -472,12 +563,17 @@ class GrowableFullLayer(_StorageLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
 
+    def key_positions(self) -> torch.Tensor:
+        """Absolute position of every key the last `update` returned (time order: `0 .. length - 1`)."""
+        return torch.arange(self.cumulative_length, device=self.keys.device if self.is_initialized else None)
+
     def get_max_length(self) -> int:
         return -1
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # Only the held tokens matter; select them alone so a beam step costs O(length), not O(capacity).
         if self.is_initialized:
+            self._make_writable()
             length, beam_idx = self.cumulative_length, beam_idx.to(self.device)
             self.keys[:, :, :length] = self.keys[:, :, :length].index_select(0, beam_idx)
             self.values[:, :, :length] = self.values[:, :, :length].index_select(0, beam_idx)
@@ -497,6 +593,7 @@ class StaticFullLayer(_StorageLayer):
     is_sliding = False
     is_compileable = True
     cumulative_length = _tensor_counter("length_tensor")
+    _counter_names = ("length_tensor",)
 
     def __init__(self, max_cache_len: int) -> None:
         if max_cache_len < 1:
@@ -532,6 +629,17 @@ class StaticFullLayer(_StorageLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
 
+    def key_positions(self) -> torch.Tensor:
+        """Absolute position of every key the last `update` returned: the whole buffer, `-1` past the length."""
+        positions = torch.arange(self.max_cache_len, device=self.length_tensor.device)
+        return torch.where(positions < self.length_tensor, positions, -1)
+
+    def _check_autograd_allowed(self) -> None:
+        _refuse_static_autograd()
+
+    def _restatic(self, *tensors: torch.Tensor) -> None:
+        _mark_static(*tensors)
+
     def get_max_length(self) -> int:
         return self.max_cache_len
 
@@ -550,6 +658,7 @@ class StaticRingSlidingLayer(RingSlidingLayer):
     is_compileable = True
     cumulative_length = _tensor_counter("length_tensor")
     _oldest = _tensor_counter("oldest_tensor")
+    _counter_names = ("length_tensor", "oldest_tensor")
 
     def __init__(self, sliding_window: int, rollback_margin: int = 0) -> None:
         self.length_tensor = torch.zeros((), dtype=torch.long)
@@ -559,7 +668,6 @@ class StaticRingSlidingLayer(RingSlidingLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # All slots at once: compiled steps need one static buffer for the whole generation.
         self._allocate(key_states, value_states, self.max_slots)
-        self._slot_ids = self._slot_ids.to(self.device)
         self.length_tensor = self.length_tensor.to(self.device)
         self.oldest_tensor = self.oldest_tensor.to(self.device)
         _mark_static(self.keys, self.values, self.length_tensor, self.oldest_tensor)
@@ -571,7 +679,9 @@ class StaticRingSlidingLayer(RingSlidingLayer):
         if query_length != 1:
             return super().get_mask_sizes(query_length)
         # Positions after writing position `length` at slot `length % capacity`; computed from the tensors alone.
-        return self.max_slots, RingLayout(self._slot_positions(self.length_tensor + 1, self.oldest_tensor))
+        end = self.length_tensor + 1
+        positions = self._slot_positions(end, self.oldest_tensor)
+        return self.max_slots, RingLayout(positions, end=end if is_torchdynamo_compiling() else int(end))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -581,6 +691,7 @@ class StaticRingSlidingLayer(RingSlidingLayer):
         if not is_torchdynamo_compiling():
             self._prepare(key_states, value_states)
             self._undo = None
+            self._returned = ("ring", None, None)  # positions from the counters (see `key_positions`)
         slot = torch.remainder(self.length_tensor, self.max_slots).view(1)
         self.keys.index_copy_(2, slot, key_states)
         self.values.index_copy_(2, slot, value_states)
@@ -588,6 +699,27 @@ class StaticRingSlidingLayer(RingSlidingLayer):
         torch.maximum(self.oldest_tensor, self.length_tensor - self.max_slots, out=self.oldest_tensor)
         return self.keys, self.values
 
+    def key_positions(self) -> torch.Tensor:
+        if self._returned[0] == "ring":
+            return self._slot_positions(self.length_tensor, self.oldest_tensor)
+        return super().key_positions()
+
+    def _check_autograd_allowed(self) -> None:
+        _refuse_static_autograd()
+
+    def _restatic(self, *tensors: torch.Tensor) -> None:
+        _mark_static(*tensors)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._reorder_in_place(beam_idx)
         self._undo = None
+
+
+def _refuse_static_autograd() -> None:
+    """The fixed-capacity layers write in place into static buffers (captured by compiled graphs and CUDA graphs):
+    recording gradients through them would need a copy of every buffer at every step."""
+    raise RuntimeError(
+        "A fixed-capacity HybridRingCache (max_cache_len=...) cannot record gradients: it writes in place into static "
+        "buffers for torch.compile. Run it under torch.no_grad() / torch.inference_mode(), or use the default growing "
+        "mode (HybridRingCache(config) without max_cache_len), which supports gradients through the cache."
+    )

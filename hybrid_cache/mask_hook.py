@@ -5,19 +5,30 @@ transformers builds every attention mask the same way: the model calls `create_c
 `get_mask_sizes(q_length, layer_idx) -> (kv_length, kv_offset)`, then call the function registered for
 `config._attn_implementation` in `AttentionMaskInterface` with key positions `kv_offset + arange(kv_length)`.
 
-Once a ring buffer has wrapped, its slots are not in time order, so no `(kv_length, kv_offset)` pair describes them.
-`HybridRingCache` then returns a `RingLayout` in place of the integer `kv_offset`: an object that carries the absolute
-position held by every returned key slot (`-1` for an empty slot). The hook wraps the `sdpa` and `eager` mask
-functions: when `kv_offset` is a `RingLayout`, the model's own `mask_function` (sliding window, causal, and any
-`or_mask_function` / `and_mask_function` overlay) and the 2D padding mask are evaluated at those real positions;
-in every other case the call is passed through untouched, so every other cache class gets the exact masks it got
-before. A `DenseMaskRequest` offset (time-ordered keys, one-token step on CPU with grouped-query attention) is served
-by the original function with its integer offset and the `is_causal` skip disabled: the same mask transformers builds
-whenever it does not skip, which routes SDPA to its fast packed-GQA path on CPU. Other registered mask functions (flash attention, flex attention) are wrapped with a guard that raises a
-clear error if a `RingLayout` ever reaches them, instead of producing a wrong mask.
+Once a ring buffer has wrapped, the ring's slots are not in time order, so no `(kv_length, kv_offset)` pair describes
+the keys of a one-token decode step (the one step that returns the ring itself). `HybridRingCache` then returns a
+`RingLayout` in place of the integer `kv_offset`: an object that carries the absolute position held by every returned
+key slot (`-1` for an empty slot). The hook wraps the `sdpa`, `eager` and `flex_attention` mask functions: when
+`kv_offset` is a `RingLayout`, the model's own `mask_function` (sliding window, causal, and any `or_mask_function` /
+`and_mask_function` overlay such as Gemma's bidirectional image blocks) and the 2D padding mask are evaluated at
+those real positions; in every other case the call is passed through untouched, so every other cache class gets the
+exact masks it got before.
 
-The hook is installed by `HybridRingCache` itself (idempotent, thread-safe); `install_mask_hook()` /
-`uninstall_mask_hook()` are public for explicit control.
+Model code may do one piece of arithmetic on `kv_offset` itself: `kv_length + kv_offset`, the length up to which it
+pads per-position tensors (Gemma 3 / Gemma 4 image-block ids, `maybe_pad_block_sequence_ids`). A `RingLayout` answers
+it with the cache length after the step (one past the newest position), which is what those tensors are indexed by;
+any other arithmetic raises, because a time-ordered reading of ring slots would be silently wrong.
+
+A `DenseMaskRequest` offset (time-ordered keys, one-token step on CPU with grouped-query attention) is an `int` equal
+to the offset, served by the original function with the `is_causal` skip disabled: the same mask transformers builds
+whenever it does not skip, which routes SDPA to its fast packed-GQA path on CPU. Being an `int`, it stays correct in
+any code that reads it, the hook or not.
+
+Other registered mask functions (flash attention, custom kernels) are wrapped with a guard that raises a clear error
+if a `RingLayout` ever reaches them, instead of producing a wrong mask.
+
+The hook is installed by `HybridRingCache` itself (on construction and on unpickling; idempotent, thread-safe);
+`install_mask_hook()` / `uninstall_mask_hook()` are public for explicit control.
 """
 
 from __future__ import annotations
@@ -26,20 +37,23 @@ import threading
 from collections.abc import Callable
 
 import torch
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.utils import is_torchdynamo_compiling
 
 __all__ = [
     "SUPPORTED_ATTN_IMPLEMENTATIONS",
     "DenseMaskRequest",
     "RingLayout",
     "UnsupportedAttentionError",
+    "WindowMismatchError",
     "install_mask_hook",
     "is_mask_hook_installed",
     "uninstall_mask_hook",
 ]
 
-# Mask functions the hook knows how to serve for a ring layout. Both materialize a dense [batch, 1, q, kv] mask.
-SUPPORTED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+# Mask functions the hook knows how to serve for a ring layout: each evaluates a mask function at arbitrary key
+# positions (sdpa/eager materialize a dense [batch, 1, q, kv] mask, flex_attention a BlockMask from the same function).
+SUPPORTED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 
 _HOOK_MARKER = "_hybrid_cache_hook_of"
 _install_lock = threading.Lock()
@@ -49,56 +63,72 @@ class UnsupportedAttentionError(RuntimeError):
     """Raised when a ring-buffer layout would be served by an attention path that cannot mask it correctly."""
 
 
+class WindowMismatchError(ValueError):
+    """Raised when the model's mask would attend to keys that the cache's sliding-window ring no longer holds."""
+
+
 class RingLayout:
-    """The key layout of a ring-buffer layer for one forward pass, passed where transformers expects `kv_offset`.
+    """The key layout of a wrapped ring's one-token step, passed where transformers expects `kv_offset`.
 
     Args:
         positions (`torch.LongTensor` of shape `[kv_length]`):
             Absolute token position held by each key slot returned by the layer's `update`, in slot order;
             `-1` marks an empty slot, which is always masked.
+        end (`int`, *optional*):
+            The cache length after the step: one past the newest position. Defaults to `positions.max() + 1`.
 
-    Integer arithmetic on it raises on purpose: only the hook may interpret it, and any other consumer of
-    `kv_offset` would otherwise silently build a time-ordered mask for keys that are not in time order.
+    `kv_length + layout` (the one arithmetic transformers' model code does on `kv_offset`, to pad per-position ids)
+    gives `end`; any other arithmetic raises, since only the hook may read slot positions.
+    `served` is set by the hook once a mask was built from this layout: the cache refuses to run a wrapped step whose
+    layout was never served (a prepared 4D mask, or a mask path that bypassed the hook).
     """
 
-    __slots__ = ("positions",)
+    __slots__ = ("positions", "end", "served")
 
-    def __init__(self, positions: torch.Tensor):
+    def __init__(self, positions: torch.Tensor, end: int | torch.Tensor | None = None):
         self.positions = positions
+        self.end = int(positions.max()) + 1 if end is None else end
+        self.served = False
 
     def __repr__(self) -> str:
-        return f"RingLayout(positions={self.positions.tolist()})"
+        return f"RingLayout(positions={self.positions.tolist()}, end={self.end})"
+
+    def __add__(self, other):
+        if isinstance(other, int) and not isinstance(other, bool):
+            # `kv_length + kv_offset`: the padded length of per-position tensors, i.e. `end` when kv_length is ours.
+            return other - self.positions.shape[0] + self.end
+        return self._refuse()
+
+    __radd__ = __add__
 
     def _refuse(self, *args, **kwargs):
         raise UnsupportedAttentionError(
-            "A HybridRingCache key layout (`RingLayout` / `DenseMaskRequest`) reached code that treats `kv_offset` "
-            "as an integer. This happens when the mask is built by a function other than hybrid_cache's hook (a locally "
-            "overridden `AttentionMaskInterface` entry, or a model-specific mask path such as bidirectional image "
-            "blocks). Use attn_implementation='sdpa' or 'eager' with the model's standard text masks, or use "
-            "`DynamicCache` for this model."
+            "A HybridRingCache ring layout (`RingLayout`) reached code that treats `kv_offset` as an integer position. "
+            "Ring slots are not in time order after the wrap, so only hybrid_cache's mask hook may read them. This "
+            "happens when the mask is built by a function other than the hook (an `AttentionMaskInterface` entry "
+            "registered on a local instance, or a model-specific mask path). Use attn_implementation='sdpa', 'eager' "
+            "or 'flex_attention' with transformers' mask functions, or use `DynamicCache` for this model."
         )
 
-    __add__ = __radd__ = __sub__ = __rsub__ = __int__ = __index__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+    __sub__ = __rsub__ = __int__ = __index__ = __lt__ = __le__ = __gt__ = __ge__ = __mul__ = __rmul__ = _refuse
 
 
-class DenseMaskRequest:
-    """A time-ordered `kv_offset` whose mask must be materialized (never replaced by SDPA's `is_causal` / no mask).
+class DenseMaskRequest(int):
+    """A time-ordered integer `kv_offset` whose mask should be materialized (never replaced by SDPA's `is_causal`).
 
     Why: for a one-token step transformers skips the mask when nothing is padded, and its SDPA integration then runs
     grouped-query attention with `enable_gqa=True`; on CPU that kernel is several times slower than the packed path
     transformers takes when a mask is present (measured 240 ms vs 24 ms per full layer at 16384 tokens x batch 8,
-    bf16; see docs/benchmarks.md). The mask itself is exactly transformers' own for `offset`.
+    bf16; see docs/benchmarks.md). The value is the plain offset, so every reader (the hook or not) gets the right
+    positions; only the hook honours the request to materialize.
     """
 
-    __slots__ = ("offset",)
-
-    def __init__(self, offset: int):
-        self.offset = offset
+    @property
+    def offset(self) -> int:
+        return int(self)
 
     def __repr__(self) -> str:
-        return f"DenseMaskRequest(offset={self.offset})"
-
-    __add__ = __radd__ = __sub__ = __rsub__ = __int__ = __index__ = RingLayout._refuse
+        return f"DenseMaskRequest(offset={int(self)})"
 
 
 def _ring_mask_function(
@@ -107,8 +137,8 @@ def _ring_mask_function(
     """Evaluate `mask_function` (and the padding mask) at the real position of each key slot.
 
     `kv_idx` is the slot index (0..kv_length-1); `positions[kv_idx]` is the absolute token position it holds.
-    Works both with broadcast index tensors and under `vmap` (transformers wraps that path in
-    `TransformGetItemToIndex`, which makes `positions[kv_idx]` a valid gather for a 0-d index).
+    Works with broadcast index tensors, under `vmap` (transformers wraps that path in `TransformGetItemToIndex`,
+    which makes `positions[kv_idx]` a valid gather for a 0-d index) and as a flex-attention `mask_mod`.
     """
     valid = positions >= 0
     safe_positions = positions.clamp(min=0)
@@ -128,8 +158,59 @@ def _ring_mask_function(
     return inner_mask
 
 
+def _check_window(
+    layout: RingLayout,
+    batch_size: int,
+    q_length: int,
+    q_offset: int,
+    mask_function: Callable,
+    padding_mask: torch.Tensor | None,
+    device: torch.device | str,
+    use_vmap: bool,
+    config=None,
+) -> None:
+    """Refuse a mask that lets a real query see a key older than the ring's oldest held position.
+
+    The model's own mask function decides what is visible; the ring holds only the newest `capacity` positions. If
+    the mask allows the position just below the oldest one held (for a real query and a real key), the no-cache
+    forward would attend to a key the ring has overwritten: the cache was built for a smaller window than the
+    model's (e.g. from another config). Evaluated with transformers' own `sdpa_mask` on that one key column.
+    """
+    held = layout.positions[layout.positions >= 0]
+    if held.numel() == 0 or int(held.min()) == 0:
+        return
+    missing = int(held.min()) - 1
+    probe = sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=1,
+        q_offset=q_offset,
+        kv_offset=missing,
+        mask_function=mask_function,
+        attention_mask=padding_mask,
+        allow_is_causal_skip=False,
+        use_vmap=use_vmap,
+        device=device,
+    )[:, 0, :, 0]  # [batch, q]
+    if padding_mask is not None:  # padding queries see nothing that a real token reads: ignore them
+        query_positions = torch.arange(q_length, device=device) + q_offset
+        inside = query_positions < padding_mask.shape[-1]
+        real = padding_mask[:, query_positions.clamp(max=padding_mask.shape[-1] - 1)] | ~inside
+        probe = probe & real
+    if bool(probe.any()):
+        model_window = getattr(config, "sliding_window", None)
+        held_text = f"positions {int(held.min())}..{int(held.max())}"
+        raise WindowMismatchError(
+            f"The model's attention mask lets a query see the key at position {missing}, but HybridRingCache's "
+            f"sliding-window ring holds only {held_text} ({held.numel()} slots): the model attends further back than "
+            f"the window the cache was built for"
+            + (f" (the model's config says sliding_window={model_window})" if model_window is not None else "")
+            + ". Build the cache from the model's own config: `HybridRingCache(model.config)`."
+        )
+
+
 def _make_ring_aware(original: Callable) -> Callable:
-    """Wrap a dense mask function (`sdpa_mask` / `eager_mask`) so it understands `RingLayout` offsets."""
+    """Wrap a mask function (`sdpa_mask` / `eager_mask` / `flex_attention_mask`) so it understands `RingLayout`."""
 
     def ring_aware_mask(
         batch_size: int,
@@ -143,9 +224,9 @@ def _make_ring_aware(original: Callable) -> Callable:
     ):
         if isinstance(kv_offset, DenseMaskRequest):
             kwargs["allow_is_causal_skip"] = False
-            kv_offset = kv_offset.offset
+            kv_offset = int(kv_offset)
         if not isinstance(kv_offset, RingLayout):
-            # Exact pass-through: every other cache (and ring layers still in time order) is untouched.
+            # Exact pass-through: every other cache (and ring layers in time order) is untouched.
             return original(
                 batch_size=batch_size,
                 q_length=q_length,
@@ -166,6 +247,12 @@ def _make_ring_aware(original: Callable) -> Callable:
         padding_mask = None
         if attention_mask is not None:
             padding_mask = attention_mask.to(device=device, dtype=torch.bool)
+        if not is_torchdynamo_compiling():
+            _check_window(
+                kv_offset, batch_size, q_length, q_offset, mask_function, padding_mask, device,
+                kwargs.get("use_vmap", False), kwargs.get("config"),
+            )
+            kv_offset.served = True
         # The ring's slots are not in time order, so `is_causal`-style skips never apply: always materialize.
         kwargs["allow_is_causal_skip"] = False
         kwargs["allow_is_bidirectional_skip"] = False
@@ -190,13 +277,11 @@ def _make_guard(original: Callable, name: str) -> Callable:
     """Wrap a mask function that cannot serve a ring layout so it fails loudly instead of silently."""
 
     def guarded_mask(*args, **kwargs):
-        if isinstance(kwargs.get("kv_offset"), DenseMaskRequest):  # time-ordered: any backend can serve it
-            kwargs["kv_offset"] = kwargs["kv_offset"].offset
         if isinstance(kwargs.get("kv_offset"), RingLayout):
             raise UnsupportedAttentionError(
-                f"attn_implementation={name!r} cannot attend over HybridRingCache's ring buffers (its mask cannot "
-                f"express keys that are not in time order). Load the model with attn_implementation='sdpa' or "
-                f"'eager' (e.g. `model.set_attn_implementation('sdpa')`), or use `DynamicCache`."
+                f"attn_implementation={name!r} cannot attend over HybridRingCache's wrapped ring buffers (its mask "
+                f"cannot express keys that are not in time order). Load the model with attn_implementation='sdpa', "
+                f"'eager' or 'flex_attention' (e.g. `model.set_attn_implementation('sdpa')`), or use `DynamicCache`."
             )
         return original(*args, **kwargs)
 
@@ -214,7 +299,7 @@ def install_mask_hook() -> None:
     """Install the hook into `transformers.masking_utils.AttentionMaskInterface` (idempotent, thread-safe).
 
     Wraps whatever function is currently registered for each name, so a user's own registration made before
-    this call keeps working for every cache other than `HybridRingCache`.
+    this call keeps working for every cache other than `HybridRingCache`, and serves it too.
     """
     with _install_lock:
         for name, function in list(AttentionMaskInterface._global_mapping.items()):
@@ -236,14 +321,15 @@ def uninstall_mask_hook() -> None:
 
 
 def check_ring_attention_supported(attn_implementation: str | None) -> None:
-    """Raise a clear error if a ring layout would be masked by an implementation the hook cannot serve."""
+    """Raise a clear error if a ring layout would be masked by an implementation the hook cannot serve; (re)install
+    the hook if a function was registered for this name after us, so the ring stays exact."""
     implementation = attn_implementation or "sdpa"
     if implementation not in SUPPORTED_ATTN_IMPLEMENTATIONS:
         raise UnsupportedAttentionError(
-            f"HybridRingCache supports attn_implementation in {SUPPORTED_ATTN_IMPLEMENTATIONS}, but the model uses "
-            f"{implementation!r}: its attention cannot be masked for keys stored in ring order. Load the model with "
-            f"attn_implementation='sdpa' (or call `model.set_attn_implementation('sdpa')`), or use `DynamicCache`."
+            f"HybridRingCache supports attn_implementation in {SUPPORTED_ATTN_IMPLEMENTATIONS} once its rings have "
+            f"wrapped, but the model uses {implementation!r}: its attention cannot be masked for keys stored in ring "
+            f"order. Load the model with attn_implementation='sdpa' (or call `model.set_attn_implementation('sdpa')`), "
+            f"or use `DynamicCache`."
         )
     if not is_mask_hook_installed(implementation):
-        # Someone registered a new function for this name after us: wrap it too, so the ring stays exact.
         install_mask_hook()

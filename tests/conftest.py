@@ -36,25 +36,73 @@ def tiny_gemma4(window: int = 6, layers: int = 8, shared: int = 3, attn: str = "
     return Gemma4ForCausalLM(config).eval()
 
 
-def tiny_gemma3_multimodal(window: int = 4, seed: int = 0):
-    """Gemma3ForConditionalGeneration with a 1-layer SigLIP tower (28x28 images, 4 tokens per image); ids 98-100 are
-    the image / begin-of-image / end-of-image tokens."""
+# Token ids of the tiny multimodal models: image placeholder, begin / end of image (ids above are never sampled).
+IMAGE_ID, BOI_ID, EOI_ID = VOCAB - 1, VOCAB - 2, VOCAB - 3
+TEXT_IDS = (3, VOCAB - 8)  # random text tokens are drawn from this range
+
+
+def tiny_gemma3_multimodal(window: int = 4, attn: str = "sdpa", tokens_per_image: int = 4, seed: int = 0):
+    """Gemma3ForConditionalGeneration with a 1-layer SigLIP tower: square images of 14 x sqrt(tokens_per_image)
+    pixels, one 14-pixel patch per image token. Image tokens are `IMAGE_ID`, framed by `BOI_ID` / `EOI_ID`."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
     torch.manual_seed(seed)
+    side = int(tokens_per_image**0.5)
     text = Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=window,
+        num_key_value_heads=2, head_dim=8, sliding_window=window, pad_token_id=0, bos_token_id=2, eos_token_id=1,
     )
     vision = SiglipVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=14 * side,
+        patch_size=14,
     )
     config = Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
-        boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3,
+        text_config=text, vision_config=vision, mm_tokens_per_image=tokens_per_image, image_token_index=IMAGE_ID,
+        boi_token_index=BOI_ID, eoi_token_index=EOI_ID,
     )
-    config._attn_implementation = "sdpa"
-    return Gemma3ForConditionalGeneration(config).eval()
+    config._attn_implementation = attn
+    config.text_config._attn_implementation = attn
+    model = Gemma3ForConditionalGeneration(config).eval()
+    model.tiny_tokens_per_image = tokens_per_image
+    return model
+
+
+def tiny_gemma4_multimodal(window: int = 4, attn: str = "sdpa", tokens_per_image: int = 4, seed: int = 0):
+    """Gemma4ForConditionalGeneration (bidirectional attention over vision blocks, KV-shared layers, per-type head
+    sizes) with a 1-layer vision tower: an image is a grid of (2 x sqrt(tokens))^2 patches of 2 x 2 pixels, pooled
+    2 x 2 into `tokens_per_image` soft tokens."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+    torch.manual_seed(seed)
+    text = tiny_gemma4(window=window, attn=attn, seed=seed).config
+    text.use_bidirectional_attention = "vision"
+    vision = Gemma4VisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=8, patch_size=2, pooling_kernel_size=2, position_embedding_size=64,
+    )
+    config = Gemma4Config(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_ID, boi_token_id=BOI_ID, eoi_token_id=EOI_ID,
+        video_token_id=VOCAB - 4, audio_token_id=VOCAB - 5, boa_token_id=VOCAB - 6, eoa_token_index=VOCAB - 7,
+    )
+    config._attn_implementation = attn
+    config.text_config._attn_implementation = attn
+    model = Gemma4ForConditionalGeneration(config).eval()
+    model.tiny_tokens_per_image = tokens_per_image
+    return model
+
+
+def random_images(model, count: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random pixel inputs for `count` images of a tiny multimodal model, shaped as its processor returns them."""
+    generator = torch.Generator().manual_seed(seed)
+    vision, side = model.config.vision_config, int(model.tiny_tokens_per_image**0.5)
+    if model.config.model_type == "gemma3":
+        return {"pixel_values": torch.randn(count, 3, vision.image_size, vision.image_size, generator=generator)}
+    grid = 2 * side  # patches per image side before the 2 x 2 pooling
+    xy = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), -1).reshape(1, -1, 2)
+    return {
+        "pixel_values": torch.randn(count, grid * grid, 3 * vision.patch_size**2, generator=generator),
+        "image_position_ids": xy.expand(count, -1, -1).contiguous(),
+    }
 
 
 MODEL_BUILDERS = {"gemma3": tiny_gemma3, "gemma4": tiny_gemma4}
@@ -67,9 +115,12 @@ def no_cache_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 
 @torch.no_grad()
-def chunked_logits(model, cache, input_ids: torch.Tensor, schedule: list[int], attention_mask=None) -> torch.Tensor:
-    """Feed `input_ids` through `cache` in chunks of the sizes in `schedule`; return the concatenated logits."""
-    outputs, position = [], 0
+def chunked_logits(
+    model, cache, input_ids: torch.Tensor, schedule: list[int], attention_mask=None, start: int = 0
+) -> torch.Tensor:
+    """Feed `input_ids[:, start:]` through `cache` (which already holds the first `start` tokens) in chunks of the
+    sizes in `schedule`, each with the 2D mask up to its end; return the concatenated logits."""
+    outputs, position = [], start
     for size in schedule:
         chunk = input_ids[:, position : position + size]
         mask = None if attention_mask is None else attention_mask[:, : position + size]

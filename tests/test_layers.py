@@ -101,12 +101,23 @@ class TestRingContents:
         assert held(layer) == [8, 9, 10, 11, 4, 5, 6, 7]
 
     def test_chunk_wraps_a_small_ring(self):
-        """W=8: prefill 3 (3 slots), then a 7-token chunk crosses the window: the ring takes all 8 slots at once."""
+        """W=8: prefill 3 (3 slots), then a 7-token chunk crosses the window: returned [0..9] in time order (the held
+        positions, then the chunk); the ring takes all 8 slots at once and keeps 2..9."""
         layer = RingSlidingLayer(8)
         step(layer, 0, 3)
         returned, positions = step(layer, 3, 7)
-        assert positions[:8] == [0, 1, 2, -1, -1, -1, -1, -1] and positions[8:] == list(range(3, 10))
+        assert returned == positions == list(range(10))
         assert layer.capacity == 8 and held(layer) == [8, 9, 2, 3, 4, 5, 6, 7]
+
+    def test_chunk_after_wrap_returns_time_order(self):
+        """W=4: prefill 0..5 (slots [4,5,2,3]); a 3-token chunk returns the held 2..5 in time order, then 6..8, as a
+        plain integer offset (transformers' own mask, no ring layout); the ring then holds [8,5,6,7]."""
+        layer = RingSlidingLayer(4)
+        step(layer, 0, 6)
+        assert layer.get_mask_sizes(3) == (7, 2)
+        returned, positions = step(layer, 6, 3)
+        assert returned == positions == list(range(2, 9))
+        assert held(layer) == [8, 5, 6, 7]
 
     def test_decode_returns_ring_itself(self):
         """After the wrap a one-token step returns the ring storage (no copy of the window)."""
@@ -224,27 +235,35 @@ class TestRollback:
             if record:
                 layer.activate_past_recording()
             history: list[int] = []  # reference: every token position currently in the sequence
-            last_step_start = None
+            recording = record
+            kept_step = None  # start of the last recorded multi-token step after the wrap, while its window is kept
             for _ in range(25):
                 if history and rng.random() < 0.3:
                     undo = min(rng.randint(1, 2 * window + 2), len(history))
                     new_length = len(history) - undo
                     by_margin = layer._oldest <= max(0, new_length - window + 1)
-                    by_undo = record and last_step_start is not None and new_length >= last_step_start
+                    by_undo = kept_step is not None and new_length >= kept_step
+                    state = (layer.cumulative_length, layer._oldest, held(layer))
                     try:
                         layer.crop(-undo)
                     except RollbackError:
                         assert not (by_margin or by_undo), f"trial {trial}: legal rollback refused"
+                        assert (layer.cumulative_length, layer._oldest, held(layer)) == state, "refused crop changed"
                         continue
                     assert by_margin or by_undo, f"trial {trial}: rollback accepted but not exact"
                     del history[-undo:]
-                    if not by_margin:  # the saved step was used up; a margin rollback leaves it valid
-                        last_step_start = None
+                    kept_step = None  # any crop resolves the speculative step and releases its window
+                    assert layer.extra_nbytes() == 0
                     continue
                 count = rng.choice([1, 1, 1, 2, window, window + 1, 2 * window + 1])
                 start = len(history)
+                if kept_step is not None:  # a recorded step was not rolled back: speculation is over
+                    recording = False
+                kind = layer._step_kind(count)
                 returned, positions = step(layer, start, count)
-                last_step_start = start if count > 1 else None
+                kept_step = start if recording and kind == "window" else None
+                assert layer.record_past == recording
+                assert (layer.extra_nbytes() > 0) == (kept_step is not None), "kept window not counted"
                 history.extend(range(start, start + count))
                 present = {p for p in positions if p >= 0}
                 for query in range(start, start + count):

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import VOCAB, chunked_logits, tiny_gemma3, tiny_gemma3_multimodal
+from conftest import VOCAB, chunked_logits, tiny_gemma3
 from transformers import DynamicCache, StaticCache
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS,
@@ -17,7 +17,7 @@ from transformers.masking_utils import (
 
 import hybrid_cache.mask_hook as mask_hook
 from hybrid_cache import HybridRingCache, RingLayout, UnsupportedAttentionError, install_mask_hook
-from hybrid_cache.mask_hook import DenseMaskRequest
+from hybrid_cache.mask_hook import DenseMaskRequest, WindowMismatchError
 
 
 def run_other_caches(model, input_ids, attention_mask):
@@ -86,7 +86,8 @@ def wrapped_ring_cache(model, attention_mask, length):
 @pytest.mark.parametrize("q_length", [1, 3])
 def test_ring_mask_equals_time_ordered_mask_with_overlays(attn, q_length):
     """Ring mask == columns of the oracle's time-ordered mask at each slot's position, with an `or_mask_function`
-    and an `and_mask_function` overlay (the vmap path) and left padding longer than the window (trap 5)."""
+    and an `and_mask_function` overlay (the vmap path) and left padding longer than the window (trap 5). One-token
+    steps after the wrap get a `RingLayout`; multi-token steps time-ordered keys with an integer offset."""
     window, length = 4, 14
     model = tiny_gemma3(window=window, attn=attn)
     config = model.config
@@ -94,12 +95,16 @@ def test_ring_mask_equals_time_ordered_mask_with_overlays(attn, q_length):
     attention_mask[1, :6] = 0
     cache = wrapped_ring_cache(model, attention_mask, length)
     sliding_idx = cache.is_sliding.index(True)
-    _, layout = cache.get_mask_sizes(q_length, sliding_idx)
-    assert isinstance(layout, RingLayout)
-    positions = layout.positions
+    kv_length, layout = cache.get_mask_sizes(q_length, sliding_idx)
+    if q_length == 1:
+        assert isinstance(layout, RingLayout)
+        positions = layout.positions
+    else:
+        assert type(layout) is int
+        positions = torch.arange(layout, layout + kv_length)
 
-    def or_overlay(batch_idx, head_idx, q_idx, kv_idx):  # e.g. bidirectional image block: 10 <-> 12
-        return (q_idx >= 12) & (kv_idx == 10)
+    def or_overlay(batch_idx, head_idx, q_idx, kv_idx):  # e.g. a bidirectional image block 14..15: 14 sees 15
+        return (q_idx == 14) & (kv_idx == 15)
 
     def and_overlay(batch_idx, head_idx, q_idx, kv_idx):
         return kv_idx != 11
@@ -115,6 +120,23 @@ def test_ring_mask_equals_time_ordered_mask_with_overlays(attn, q_length):
             continue
         expected = oracle[:, :, length:, :][..., positions.clamp(min=0)] & (positions >= 0)
         assert torch.equal(ring_mask, expected), overlays
+
+
+def test_mask_beyond_the_ring_raises():
+    """A mask that lets a query see a key the ring has overwritten (here an overlay reaching 4 positions back through
+    a window of 4) cannot be served exactly: a clear error, never a silently dropped key."""
+    model = tiny_gemma3(window=4)
+    attention_mask = torch.ones(1, 15, dtype=torch.long)
+    cache = wrapped_ring_cache(model, attention_mask, 14)
+    _, layout = cache.get_mask_sizes(1, cache.is_sliding.index(True))
+    assert layout.positions.min() == 11
+
+    def or_overlay(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx == 10
+
+    embeds = torch.zeros(1, 1, model.config.hidden_size)
+    with pytest.raises(WindowMismatchError, match="position 10"):
+        create_sliding_window_causal_mask(model.config, embeds, attention_mask, cache, or_mask_function=or_overlay)
 
 
 def test_full_layer_mask_unchanged():
@@ -161,9 +183,10 @@ def test_unsupported_attention_raises():
 
 
 def test_guarded_backends_refuse_ring_layout():
+    """Flash attention cannot mask keys out of time order: a ring layout reaching it raises, naming the fix."""
     install_mask_hook()
     layout = RingLayout(torch.tensor([4, 5, 2, 3]))
-    for name in ("flash_attention_2", "flex_attention"):
+    for name in ("flash_attention_2", "flash_attention_3"):
         if name in AttentionMaskInterface._global_mapping:
             with pytest.raises(UnsupportedAttentionError, match=name):
                 AttentionMaskInterface._global_mapping[name](
@@ -171,13 +194,16 @@ def test_guarded_backends_refuse_ring_layout():
                 )
 
 
-def test_local_override_cannot_silently_misuse_layout():
-    """A locally overridden mask function that does integer arithmetic on kv_offset gets a clear error."""
-    layout = RingLayout(torch.tensor([4, 5, 2, 3]))
-    with pytest.raises(UnsupportedAttentionError, match="kv_offset"):
-        _ = 4 + layout
-    with pytest.raises(UnsupportedAttentionError):
-        torch.arange(4) + int(layout)
+def test_ring_layout_arithmetic():
+    """`kv_length + kv_offset` (how transformers pads per-position ids) gives the cache length after the step; any
+    other integer use of a ring layout raises a clear error (a time-ordered reading of ring slots would be wrong)."""
+    layout = RingLayout(torch.tensor([4, 5, 2, 3]), end=6)
+    assert 4 + layout == 6 and layout + 4 == 6
+    for misuse in (lambda: layout - 1, lambda: int(layout), lambda: torch.arange(4) + layout, lambda: layout < 3):
+        with pytest.raises(UnsupportedAttentionError, match="kv_offset"):
+            misuse()
+    dense = DenseMaskRequest(7)
+    assert dense == 7 and dense + 2 == 9 and isinstance(dense, int) and dense.offset == 7
 
 
 def test_prepared_4d_mask_after_wrap_raises():
@@ -194,18 +220,3 @@ def test_prepared_4d_mask_after_wrap_raises():
 def test_mask_interface_default_instance_sees_hook():
     install_mask_hook()
     assert ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is AttentionMaskInterface._global_mapping["sdpa"]
-
-
-def test_image_blocks_after_the_wrap_raise_clearly():
-    """Documented limit: Gemma 3's bidirectional image blocks pad their block ids with integer arithmetic on
-    `kv_offset`; after the wrap that must fail loudly (never a time-ordered mask for ring slots)."""
-    model = tiny_gemma3_multimodal(window=4)
-    cache = HybridRingCache(model.config)
-    with torch.no_grad():
-        model(input_ids=torch.randint(3, VOCAB - 4, (1, 10)), cache=cache)  # the rings wrap
-        chunk = torch.tensor([[5, VOCAB - 2] + [VOCAB - 1] * 4 + [VOCAB - 3, 7]])
-        with pytest.raises(UnsupportedAttentionError, match="kv_offset"):
-            model(
-                input_ids=chunk, pixel_values=torch.randn(1, 3, 28, 28), token_type_ids=(chunk == VOCAB - 1).long(),
-                attention_mask=torch.ones(1, 18, dtype=torch.long), cache=cache,
-            )
