@@ -1,6 +1,7 @@
 """hybrid_cache: an exact, memory-minimal KV cache for transformers' hybrid local/global attention models."""
 
 from .cache import HybridRingCache, MemoryReport
+from .distributed import restrict_to_stage, stage_layers
 from .layers import (
     CacheCapacityError,
     GrowableFullLayer,
@@ -30,6 +31,8 @@ __all__ = [
     "UnsupportedAttentionError",
     "install_mask_hook",
     "is_mask_hook_installed",
+    "restrict_to_stage",
+    "stage_layers",
     "uninstall_mask_hook",
 ]
 __version__ = "0.1.0"
