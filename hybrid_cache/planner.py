@@ -355,7 +355,7 @@ def max_context_length(
     cache: str = "ring",
     *,
     fixed: bool = False,
-    prompt_length: int | None = None,
+    new_tokens: int = 0,
     limit: int = 2**31,
     **options: Any,
 ) -> int | None:
@@ -365,7 +365,8 @@ def max_context_length(
     Args:
         cache: `ring`, `dynamic`, `static` or `full`.
         fixed: fixed capacity (`max_cache_len` = the context): the ring's compileable mode, and `StaticCache`.
-        prompt_length: the first step's tokens (default: the whole context as one prompt).
+        new_tokens: tokens generated after the prompt (the prompt is the rest of the context; default 0: the whole
+            context as one prompt).
         options: the other arguments of `plan_kv_memory` (batch_size, dtype, tp_size, pp_size, ...).
     """
     if cache not in CACHE_LABELS:
@@ -374,7 +375,7 @@ def max_context_length(
         config = load_config(config)
 
     def held(tokens: int) -> int:
-        prompt = tokens if prompt_length is None else min(prompt_length, tokens)
+        prompt = max(1, tokens - new_tokens)
         plan = plan_kv_memory(
             config, tokens, prompt_length=prompt, max_cache_len=tokens if fixed else None, **options
         )
@@ -503,10 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         fits = {}
         if args.budget is not None:
             fixed = max_cache_len is not None
+            new_tokens = 0 if args.prompt is None else context - args.prompt
             for name in CACHE_LABELS:
-                fits[name] = max_context_length(
-                    config, args.budget, name, fixed=fixed, prompt_length=args.prompt, **options
-                )
+                fits[name] = max_context_length(config, args.budget, name, fixed=fixed, new_tokens=new_tokens, **options)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -521,7 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_plan(plan))
     if args.budget is not None:
         limit = text.max_position_embeddings
-        print(f"Longest context within {_size(args.budget)} of KV per process (the model allows {limit}):")
+        scenario = f", {context - args.prompt} of them generated" if args.prompt is not None else ""
+        print(f"Longest context within {_size(args.budget)} of KV per process{scenario} (the model allows {limit}):")
         for name, tokens in fits.items():
             shown = "any length (nothing grows with the context)" if tokens is None else f"{tokens} tokens"
             note = " (beyond max_position_embeddings)" if tokens is None or tokens > limit else ""

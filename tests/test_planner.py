@@ -174,11 +174,19 @@ def test_splits_that_cannot_run_are_refused():
 
 @pytest.mark.parametrize("cache", ["ring", "dynamic", "static", "full"])
 @pytest.mark.parametrize("name, budget", [("gemma-3-27b", 3 * 2**30), ("gemma-4-31b", 5 * 10**9), ("gemma-4-e2b", 2**27)])
-def test_max_context_length_is_the_largest_that_fits(cache, name, budget):
-    fits = max_context_length(name, budget, cache, batch_size=2)
-    assert fits and fits > 1
-    assert plan_kv_memory(name, fits, batch_size=2).per_process(cache) <= budget
-    assert plan_kv_memory(name, fits + 1, batch_size=2).per_process(cache) > budget
+@pytest.mark.parametrize("new_tokens, fixed", [(0, False), (1000, False), (0, True)])
+def test_max_context_length_is_the_largest_that_fits(cache, name, budget, new_tokens, fixed):
+    """Whole context as a prompt, a prompt then 1000 generated tokens (the ring's full layers grow), fixed capacity."""
+    fits = max_context_length(name, budget, cache, batch_size=2, new_tokens=new_tokens, fixed=fixed)
+    assert fits and fits > new_tokens
+
+    def held(tokens: int) -> int:
+        plan = plan_kv_memory(
+            name, tokens, prompt_length=tokens - new_tokens, batch_size=2, max_cache_len=tokens if fixed else None
+        )
+        return plan.per_process(cache)
+
+    assert held(fits) <= budget < held(fits + 1)
 
 
 def test_max_context_length_bounds():
