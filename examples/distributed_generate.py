@@ -64,7 +64,8 @@ def main() -> None:
     )
     stage = model._pp_stage.pp_rank if args.pp > 1 else 0
     print(f"[rank {rank}] tokens {out[0, -args.new_tokens:].tolist()}")
-    print(f"[rank {rank}] KV held {report.total_bytes} B, planner {plan.stages[stage]['ring'].total_bytes} B\n{report}")
+    planned = plan.stages[stage]["ring"].total_bytes
+    print(f"[rank {rank}] KV held {report.total_bytes} B, planner {planned} B\n{report}")
     dist.destroy_process_group()
 
 

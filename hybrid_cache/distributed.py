@@ -1,6 +1,6 @@
-"""`HybridRingCache` under transformers' tensor and pipeline parallelism (`DistributedConfig(tp_size=..., pp_size=...)`,
-torch.distributed underneath): which decoder layers this process runs, the split transformers makes, and the splits a
-cache can serve.
+"""`HybridRingCache` under transformers' tensor and pipeline parallelism (`DistributedConfig(tp_size=...,
+pp_size=...)`, torch.distributed underneath): which decoder layers this process runs, the split transformers makes,
+and the splits a cache can serve.
 
 Tensor parallelism needs nothing from the cache: every rank runs every layer on its own share of the KV heads, and the
 layers allocate what their first update brings (`kv_heads / tp_size` heads per rank).
@@ -102,10 +102,10 @@ def check_stage_layers(text_config: Any, layers: Iterable[int]) -> list[int]:
         producer = producers.get(layer_types[index])
         if modes[index] == "reuse" and producer is not None and producer not in held:
             raise ValueError(
-                f"Layer {index} reuses the keys/values of layer {producer} (KV sharing), but this pipeline stage holds "
-                f"layers {held[0]}..{held[-1]} and layer {producer} runs on another stage: transformers passes shared "
-                f"K/V only within one process. Use tensor parallelism for this model, or a pipeline split that keeps "
-                f"layers {producer}..{num_layers - 1} on one stage."
+                f"Layer {index} reuses the keys/values of layer {producer} (KV sharing), but this pipeline stage "
+                f"holds layers {held[0]}..{held[-1]} and layer {producer} runs on another stage: transformers passes "
+                f"shared K/V only within one process. Use tensor parallelism for this model, or a pipeline split that "
+                f"keeps layers {producer}..{num_layers - 1} on one stage."
             )
     return held
 
@@ -118,7 +118,9 @@ def restrict_to_stage(cache: Cache, layers: Iterable[int]) -> Cache:
     docs/distributed.md). `HybridRingCache` does this itself (`HybridRingCache.for_model(model)`).
     """
     if not cache.layers:
-        raise ValueError("restrict_to_stage needs a cache built with its layers (`DynamicCache(config=model.config)`).")
+        raise ValueError(
+            "restrict_to_stage needs a cache built with its layers (`DynamicCache(config=model.config)`)."
+        )
     held = set(check_stage_layers(SimpleNamespace(num_hidden_layers=len(cache.layers)), layers))
     for index in range(len(cache.layers)):
         if index not in held:

@@ -282,7 +282,7 @@ class RingSlidingLayer(_StorageLayer):
         return self.sliding_window + self.rollback_margin
 
     def capacity_after(self, prompt_length: int, total_length: int) -> int:
-        # `lazy_initialization` allocates the prompt (at most `max_slots`); time-ordered steps grow it up to `max_slots`.
+        # `lazy_initialization` allocates the prompt (at most `max_slots`); time-ordered steps grow it up to there.
         return _capacity_after_decoding(min(self.max_slots, prompt_length), total_length, limit=self.max_slots)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

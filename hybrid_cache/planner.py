@@ -39,7 +39,16 @@ from .cache import OTHER_STAGE, HybridRingCache
 from .compare import layer_kv_geometry
 from .distributed import pipeline_layer_range
 
-__all__ = ["CACHE_LABELS", "PRESETS", "CachePlan", "KVPlan", "Preset", "load_config", "max_context_length", "plan_kv_memory"]
+__all__ = [
+    "CACHE_LABELS",
+    "PRESETS",
+    "CachePlan",
+    "KVPlan",
+    "Preset",
+    "load_config",
+    "max_context_length",
+    "plan_kv_memory",
+]
 
 # Plan keys and how they are printed.
 CACHE_LABELS = {"ring": "HybridRingCache", "dynamic": "DynamicCache", "static": "StaticCache", "full": "full cache"}
@@ -506,7 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             fixed = max_cache_len is not None
             new_tokens = 0 if args.prompt is None else context - args.prompt
             for name in CACHE_LABELS:
-                fits[name] = max_context_length(config, args.budget, name, fixed=fixed, new_tokens=new_tokens, **options)
+                fits[name] = max_context_length(
+                    config, args.budget, name, fixed=fixed, new_tokens=new_tokens, **options
+                )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -32,10 +32,11 @@ def tiny_gemma4(
     layer_types = layer_types[:layers]
     layer_types[-1] = "full_attention"
     config = Gemma4TextConfig(
-        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=32, hidden_size_per_layer_input=per_layer_input,
-        intermediate_size=64, num_hidden_layers=layers, num_attention_heads=query_heads, num_key_value_heads=kv_heads,
-        head_dim=8, global_head_dim=16, num_global_key_value_heads=global_kv_heads, attention_k_eq_v=True,
-        sliding_window=window, layer_types=layer_types, num_kv_shared_layers=shared, max_position_embeddings=4096,
+        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=32,
+        hidden_size_per_layer_input=per_layer_input, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=query_heads, num_key_value_heads=kv_heads, head_dim=8, global_head_dim=16,
+        num_global_key_value_heads=global_kv_heads, attention_k_eq_v=True, sliding_window=window,
+        layer_types=layer_types, num_kv_shared_layers=shared, max_position_embeddings=4096,
         attn_implementation=attn, pad_token_id=0, bos_token_id=2, eos_token_id=1,
     )
     return Gemma4ForCausalLM(config).eval()

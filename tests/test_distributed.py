@@ -136,6 +136,10 @@ def assert_same_as_one_process(ranks: list[dict], model_dir: Path, scenario: str
         assert got["tokens"] == expected["tokens"], where
 
 
+def _fixed_capacity(scenario: str, cache: str) -> int | None:
+    return dist_scenarios.capacity(dist_scenarios.SCENARIOS[scenario]) if cache == "ring_fixed" else None
+
+
 def _cases(layout: str, exclude: tuple[str, ...] = ()) -> list:
     return [
         pytest.param(model, scenario, cache, id=f"{model}-{scenario}-{cache}")
@@ -177,7 +181,7 @@ def test_tensor_parallel_memory_equals_planner(tp_results, model_dirs, model, sc
         plan = plan_kv_memory(
             config, got["tokens"], prompt_length=got["prompt"], batch_size=got["cache_batch"], dtype=torch.float32,
             tp_size=2,
-            max_cache_len=dist_scenarios._capacity(dist_scenarios.SCENARIOS[scenario]) if cache == "ring_fixed" else None,
+            max_cache_len=_fixed_capacity(scenario, cache),
         )
         assert got["bytes_by_type"] == plan.stages[0]["ring"].bytes_by_type
         assert got["total_bytes"] == plan.per_process("ring")
@@ -221,7 +225,7 @@ def test_pipeline_memory_per_stage_equals_planner(pp_results, model_dirs, model,
         plan = plan_kv_memory(
             config, got["tokens"], prompt_length=got["prompt"], batch_size=got["cache_batch"], dtype=torch.float32,
             pp_size=2,
-            max_cache_len=dist_scenarios._capacity(dist_scenarios.SCENARIOS["padded"]) if cache == "ring_fixed" else None,
+            max_cache_len=_fixed_capacity("padded", cache),
         )
         stage = plan.stages[result["rank"]]["ring"]
         assert got["bytes_by_type"] == stage.bytes_by_type

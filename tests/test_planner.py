@@ -1,7 +1,7 @@
 """The memory planner equals what the caches hold: `memory_report()` for `HybridRingCache`, `kv_bytes_held` for
 transformers' `DynamicCache` / `StaticCache`, on tiny models built from random configs (Gemma 4: per-type KV heads
-and head sizes, KV-shared layers), on the full-size presets (models built on the meta device, no memory), layer by layer
-over long decodes (whatever the growth rule), and per process under tensor / pipeline parallelism
+and head sizes, KV-shared layers), on the full-size presets (models built on the meta device, no memory), layer by
+layer over long decodes (whatever the growth rule), and per process under tensor / pipeline parallelism
 (`tests/test_distributed.py`).
 """
 
@@ -173,7 +173,9 @@ def test_splits_that_cannot_run_are_refused():
 
 
 @pytest.mark.parametrize("cache", ["ring", "dynamic", "static", "full"])
-@pytest.mark.parametrize("name, budget", [("gemma-3-27b", 3 * 2**30), ("gemma-4-31b", 5 * 10**9), ("gemma-4-e2b", 2**27)])
+@pytest.mark.parametrize(
+    "name, budget", [("gemma-3-27b", 3 * 2**30), ("gemma-4-31b", 5 * 10**9), ("gemma-4-e2b", 2**27)]
+)
 @pytest.mark.parametrize("new_tokens, fixed", [(0, False), (1000, False), (0, True)])
 def test_max_context_length_is_the_largest_that_fits(cache, name, budget, new_tokens, fixed):
     """Whole context as a prompt, a prompt then 1000 generated tokens (the ring's full layers grow), fixed capacity."""

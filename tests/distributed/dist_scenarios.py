@@ -62,13 +62,13 @@ SCENARIOS = {
 }
 
 
-def _capacity(scenario: Scenario) -> int:
+def capacity(scenario: Scenario) -> int:
     return max(scenario.lengths) + 2 * NEW_TOKENS + scenario.second_turn
 
 
 def _early_initialized(model: Any, scenario: Scenario) -> HybridRingCache:
     """Fixed capacity, allocated ahead of time with this process's KV heads (`num_heads` as one int)."""
-    cache = HybridRingCache.for_model(model, max_cache_len=_capacity(scenario))
+    cache = HybridRingCache.for_model(model, max_cache_len=capacity(scenario))
     tp_size, _ = parallel_sizes(model.config)
     first = model.config.get_text_config(decoder=True).per_layer_config[0]
     cache.early_initialization(
@@ -96,7 +96,7 @@ def _dynamic_for_stage(model: Any) -> DynamicCache:
 
 CACHES: dict[str, Callable[[Any, Scenario], Any]] = {
     "ring": lambda model, scenario: HybridRingCache.for_model(model),
-    "ring_fixed": lambda model, scenario: HybridRingCache.for_model(model, max_cache_len=_capacity(scenario)),
+    "ring_fixed": lambda model, scenario: HybridRingCache.for_model(model, max_cache_len=capacity(scenario)),
     "ring_early_init": _early_initialized,
     "ring_told": lambda model, scenario: _told(model),
     "dynamic": lambda model, scenario: DynamicCache(config=model.config),

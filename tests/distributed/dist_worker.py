@@ -49,10 +49,10 @@ def main() -> None:
 
 
 def run_all(args: argparse.Namespace) -> dict:
+    import dist_scenarios
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    import dist_scenarios
     from hybrid_cache import stage_layers
 
     runs = dist_scenarios.RUNS[args.layout]
