@@ -2,6 +2,7 @@
 
 from .attention_maps import attention_in_time_order
 from .cache import HybridRingCache, MemoryReport
+from .distributed import restrict_to_stage, stage_layers
 from .layers import (
     CacheCapacityError,
     GrowableFullLayer,
@@ -34,6 +35,8 @@ __all__ = [
     "attention_in_time_order",
     "install_mask_hook",
     "is_mask_hook_installed",
+    "restrict_to_stage",
+    "stage_layers",
     "uninstall_mask_hook",
 ]
 __version__ = "0.1.0"

@@ -4,13 +4,16 @@ attention needs; everything else is forwarding to the layers (see `layers.py`) a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DummyLayer
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import is_torchdynamo_compiling
 
+from .distributed import check_stage_layers, parallel_sizes, stage_layers
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
 from .mask_hook import (
     DenseMaskRequest,
@@ -23,6 +26,8 @@ from .mask_hook import (
 __all__ = ["HybridRingCache", "MemoryReport"]
 
 SLIDING, FULL, SHARED = "sliding_attention", "full_attention", "shared"
+# Layers another pipeline stage runs (`stage_layers`): a `DummyLayer` here, like KV-shared layers.
+OTHER_STAGE = "other_stage"
 # Layer types whose cache behaves as a sliding window (transformers maps chunked attention to the same cache class,
 # but its mask is not a window: we store those layers fully, which is always exact).
 _SLIDING_TYPES = ("sliding_attention",)
@@ -142,6 +147,10 @@ class HybridRingCache(Cache):
             without one. Default (`None`): on CPU for grouped-query layers, where transformers' mask-less path
             (`enable_gqa`) is several times slower than its masked, packed path; never on accelerators, whose
             mask-less kernels are the fast ones. Results are the same either way (same mask semantics).
+        stage_layers (`Iterable[int]`, *optional*): under pipeline parallelism, the decoder layers this process runs;
+            the others get no storage, and positions and mask sizes are answered from the layers held.
+            `HybridRingCache.for_model(model)` reads them from the model. Required when `config` belongs to a model
+            loaded with `DistributedConfig(pp_size > 1)`.
 
     Example:
 
@@ -160,6 +169,7 @@ class HybridRingCache(Cache):
         rollback_margin: int = 0,
         initial_capacity: int = 0,
         dense_decode_mask: bool | None = None,
+        stage_layers: Iterable[int] | None = None,
     ) -> None:
         if not isinstance(config, PreTrainedConfig):
             raise TypeError(
@@ -167,6 +177,14 @@ class HybridRingCache(Cache):
                 f"{type(config).__name__}. Pass `model.config`."
             )
         self.config = config.get_text_config(decoder=True)
+        self.tp_size, pp_size = parallel_sizes(config)
+        if stage_layers is None and pp_size > 1:
+            raise ValueError(
+                f"This config belongs to a model loaded with pipeline parallelism (pp_size={pp_size}): this process "
+                f"runs only some of its layers. Build the cache with `HybridRingCache.for_model(model)` (or pass "
+                f"`stage_layers=hybrid_cache.stage_layers(model)`)."
+            )
+        held = None if stage_layers is None else set(check_stage_layers(self.config, stage_layers))
         self.max_cache_len = max_cache_len
         self.dense_decode_mask = dense_decode_mask
         query_heads = self._per_layer_attribute("num_attention_heads", 1)
@@ -174,12 +192,14 @@ class HybridRingCache(Cache):
         self._grouped_query = [kv is not None and q > kv for q, kv in zip(query_heads, kv_heads)]
         self.layer_kinds: list[str] = []
         layers = []
-        for kind, window in _layer_plan(self.config):
+        for index, (kind, window) in enumerate(_layer_plan(self.config)):
+            if held is not None and index not in held:
+                kind = OTHER_STAGE
             self.layer_kinds.append(kind)
             if kind == SLIDING:
                 ring_class = RingSlidingLayer if max_cache_len is None else StaticRingSlidingLayer
                 layers.append(ring_class(window, rollback_margin=rollback_margin))
-            elif kind == SHARED:
+            elif kind in (SHARED, OTHER_STAGE):
                 layers.append(DummyLayer())
             elif max_cache_len is not None:
                 layers.append(StaticFullLayer(max_cache_len))
@@ -199,6 +219,12 @@ class HybridRingCache(Cache):
         self.__dict__.update(state)
         install_mask_hook()
 
+    @classmethod
+    def for_model(cls, model: Any, **kwargs: Any) -> HybridRingCache:
+        """A cache for `model` as this process runs it: under pipeline parallelism, storage for its stage's layers
+        only (read from the model, see `hybrid_cache.stage_layers`); otherwise the same as `cls(model.config)`."""
+        return cls(model.config, stage_layers=stage_layers(model), **kwargs)
+
     # --- guarded entry points -------------------------------------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -209,6 +235,11 @@ class HybridRingCache(Cache):
                 f"built from another model's config."
             )
         layer = self.layers[layer_idx]
+        if isinstance(layer, DummyLayer) and self.layer_kinds[layer_idx] == OTHER_STAGE:
+            raise RuntimeError(
+                f"update() for layer {layer_idx}, which this cache does not hold (stage_layers: another pipeline "
+                f"stage runs it). Build the cache with `HybridRingCache.for_model(model)` on each process."
+            )
         if isinstance(layer, DummyLayer):
             raise RuntimeError(
                 f"Layer {layer_idx} is KV-shared (kv_sharing_modes='reuse') and stores nothing, but the model called "
@@ -244,6 +275,7 @@ class HybridRingCache(Cache):
         self._verified_step = step
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int | RingLayout]:
+        layer_idx = self._storing_layer_index(layer_idx)
         kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
         if query_length == 1 and not isinstance(kv_offset, RingLayout) and self._wants_dense_mask(layer_idx):
             if not is_mask_hook_installed(getattr(self.config, "_attn_implementation", None) or "sdpa"):
@@ -313,6 +345,14 @@ class HybridRingCache(Cache):
         self._user_defined_by_generate = value
         self.deactivate_past_recording()
 
+    def _storing_layer_index(self, layer_idx: int) -> int:
+        """`layer_idx`, or the first layer holding storage when `layer_idx` holds none: transformers asks for layer 0
+        when a cache has no layer of a mask's type, and under pipeline parallelism layer 0 may run on another stage
+        (its `Cache` base answers from the first storing layer; so do we, for the mask request we record)."""
+        if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], DummyLayer):
+            return next((i for i, layer in enumerate(self.layers) if not isinstance(layer, DummyLayer)), layer_idx)
+        return layer_idx
+
     def _wants_dense_mask(self, layer_idx: int) -> bool:
         if self.max_cache_len is not None or layer_idx >= len(self.layers):
             return False  # fixed mode: transformers already materializes one-token masks for compileable caches
@@ -328,14 +368,37 @@ class HybridRingCache(Cache):
     ) -> None:
         """Allocate every storing layer ahead of time (for `torch.export` / compiled prefill).
 
-        `num_heads` / `head_dim` may be per-layer lists (Gemma 4 has different head sizes per layer type); when given
-        as ints, per-layer values are taken from the config where it declares them.
+        `num_heads` / `head_dim` may be per-layer lists (Gemma 4 has different head sizes per layer type). An int
+        `num_heads` is the KV heads per process: used as given when every layer has the same count; when the config
+        declares different counts per layer type (Gemma 4), each layer gets its config count divided by the tensor
+        parallel degree (`model.config.distributed_config.tp_size`), and `num_heads` must be one of those. An int
+        `head_dim` is replaced by the per-layer config values where the config declares them.
         """
         if isinstance(num_heads, int):
-            num_heads = self._per_layer_attribute("num_key_value_heads", num_heads)
+            num_heads = self._per_rank_kv_heads(num_heads)
         if isinstance(head_dim, int):
             head_dim = self._per_layer_attribute("head_dim", head_dim)
         super().early_initialization(batch_size, num_heads, head_dim, dtype, device)
+
+    def _per_rank_kv_heads(self, num_heads: int) -> list[int]:
+        """Per-layer KV heads of this process for `early_initialization(num_heads=int)` (see there)."""
+        declared = self._per_layer_attribute("num_key_value_heads", num_heads)
+        storing = {count for count, kind in zip(declared, self.layer_kinds) if kind in (SLIDING, FULL)}
+        if len(storing) <= 1:
+            return [num_heads] * len(declared)
+        if any(count % self.tp_size for count in storing):
+            raise ValueError(
+                f"The config declares {sorted(storing)} KV heads per layer type, which tensor parallelism of degree "
+                f"{self.tp_size} cannot split evenly. Pass `num_heads` as a list with one entry per layer."
+            )
+        per_rank = [count // self.tp_size for count in declared]
+        if num_heads not in {count // self.tp_size for count in storing}:
+            raise ValueError(
+                f"early_initialization(num_heads={num_heads}): this model has {sorted(storing)} KV heads per layer "
+                f"type ({self.tp_size} tensor-parallel rank(s): {sorted({c // self.tp_size for c in storing})} per "
+                f"rank), so one int cannot describe it. Pass `num_heads` as a list with one entry per layer."
+            )
+        return per_rank
 
     def _per_layer_attribute(self, name: str, default: int | None) -> list[int | None]:
         """`name` for every layer, from the per-layer configs of heterogeneous configs (Gemma 4), where reading the

@@ -63,6 +63,30 @@ def _check_shapes(layer: CacheLayerMixin, key_states: torch.Tensor, value_states
 GROWTH_FACTOR = 1.25
 
 
+def grown_capacity(capacity: int, needed: int, query_length: int, limit: int | None = None) -> int:
+    """Slots a time-ordered buffer of `capacity` slots grows to when a step of `query_length` tokens needs `needed`.
+
+    The growth rule of `_StorageLayer._grow`, also used by `capacity_after` (the memory planner): one-token steps grow
+    by `GROWTH_FACTOR`, multi-token steps to exactly `needed`; never beyond `limit`.
+    """
+    if needed <= capacity:
+        return capacity
+    new_capacity = needed if query_length > 1 else max(needed, math.ceil(capacity * GROWTH_FACTOR))
+    return new_capacity if limit is None else min(new_capacity, limit)
+
+
+def _capacity_after_decoding(first: int, total_length: int, limit: int | None = None) -> int:
+    """Slots held after a first allocation of `first` slots and one-token steps up to `total_length` tokens.
+
+    A buffer grows only when a one-token step finds it full (`length == capacity`), so jumping from one growth to the
+    next gives the same capacity as replaying every step, in O(log total_length) iterations.
+    """
+    capacity = first
+    while capacity < total_length and (limit is None or capacity < limit):
+        capacity = grown_capacity(capacity, capacity + 1, 1, limit)
+    return capacity
+
+
 def _same_layout(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
     return (
         tuple(key_states.shape[:2]) == (layer.batch_size, layer.num_heads)
@@ -125,9 +149,7 @@ class _StorageLayer(CacheLayerMixin):
         """
         if needed <= self.capacity:
             return
-        new_capacity = needed if query_length > 1 else max(needed, math.ceil(self.capacity * GROWTH_FACTOR))
-        if limit is not None:
-            new_capacity = min(new_capacity, limit)
+        new_capacity = grown_capacity(self.capacity, needed, query_length, limit)
         length = self.cumulative_length
         new_keys = self.keys.new_zeros(self.keys.shape[:2] + (new_capacity, self.k_head_dim))
         new_values = self.values.new_zeros(self.values.shape[:2] + (new_capacity, self.v_head_dim))
@@ -191,6 +213,22 @@ class _StorageLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in self._counter_names)
+
+    # --- planning (hybrid_cache.planner): what `nbytes()` will report, without allocating -------------------------
+    def capacity_after(self, prompt_length: int, total_length: int) -> int:
+        """Slots this layer holds after a prompt of `prompt_length` tokens (one step) and one-token steps up to
+        `total_length` tokens (`prompt_length <= total_length`)."""
+        raise NotImplementedError
+
+    def planned_nbytes(
+        self, batch_size: int, num_heads: int, k_head_dim: int, v_head_dim: int, dtype: torch.dtype,
+        prompt_length: int, total_length: int,
+    ) -> int:
+        """What `nbytes()` reports after `capacity_after(prompt_length, total_length)`, for K/V of these shapes.
+        Storage layouts other than dense `[batch, kv_heads, slots, head_dim]` buffers override both methods."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        slots = self.capacity_after(prompt_length, total_length)
+        return batch_size * num_heads * slots * (k_head_dim + v_head_dim) * element_size
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -300,6 +338,10 @@ class RingSlidingLayer(_StorageLayer):
     @property
     def max_slots(self) -> int:
         return self.sliding_window + self.rollback_margin
+
+    def capacity_after(self, prompt_length: int, total_length: int) -> int:
+        # `lazy_initialization` allocates the prompt (at most `max_slots`); time-ordered steps grow it up to there.
+        return _capacity_after_decoding(min(self.max_slots, prompt_length), total_length, limit=self.max_slots)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # Short sequences never need the whole window: start at the first step's size and grow (while the ring is
@@ -547,6 +589,9 @@ class GrowableFullLayer(_StorageLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._allocate(key_states, value_states, max(self.initial_capacity, key_states.shape[-2]))
 
+    def capacity_after(self, prompt_length: int, total_length: int) -> int:
+        return _capacity_after_decoding(max(self.initial_capacity, prompt_length), total_length)
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -640,6 +685,9 @@ class StaticFullLayer(_StorageLayer):
     def _restatic(self, *tensors: torch.Tensor) -> None:
         _mark_static(*tensors)
 
+    def capacity_after(self, prompt_length: int, total_length: int) -> int:
+        return self.max_cache_len
+
     def get_max_length(self) -> int:
         return self.max_cache_len
 
@@ -674,6 +722,9 @@ class StaticRingSlidingLayer(RingSlidingLayer):
 
     def needs_ring_layout(self, query_length: int) -> bool:
         return query_length == 1 or super().needs_ring_layout(query_length)
+
+    def capacity_after(self, prompt_length: int, total_length: int) -> int:
+        return self.max_slots  # all slots at the first update
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:
         if query_length != 1:

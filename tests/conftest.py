@@ -20,16 +20,22 @@ def tiny_gemma3(window: int = 6, layers: int = 6, attn: str = "sdpa", seed: int 
     return Gemma3ForCausalLM(config).eval()
 
 
-def tiny_gemma4(window: int = 6, layers: int = 8, shared: int = 3, attn: str = "sdpa", seed: int = 0) -> Gemma4ForCausalLM:
-    """Gemma 4 text model with KV-shared layers and different head size / KV heads for sliding and full layers."""
+def tiny_gemma4(
+    window: int = 6, layers: int = 8, shared: int = 3, attn: str = "sdpa", seed: int = 0, *, query_heads: int = 4,
+    kv_heads: int = 2, global_kv_heads: int = 1, per_layer_input: int = 8,
+) -> Gemma4ForCausalLM:
+    """Gemma 4 text model with KV-shared layers and different head size / KV heads for sliding and full layers.
+
+    `per_layer_input=0, shared=0` is the layout of Gemma 4 31B / 26B-A4B (no per-layer inputs, no KV sharing)."""
     torch.manual_seed(seed)
     layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * (layers // 3 + 1)
     layer_types = layer_types[:layers]
     layer_types[-1] = "full_attention"
     config = Gemma4TextConfig(
-        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=32, hidden_size_per_layer_input=8,
-        intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=window,
+        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=32,
+        hidden_size_per_layer_input=per_layer_input, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=query_heads, num_key_value_heads=kv_heads, head_dim=8, global_head_dim=16,
+        num_global_key_value_heads=global_kv_heads, attention_k_eq_v=True, sliding_window=window,
         layer_types=layer_types, num_kv_shared_layers=shared, max_position_embeddings=4096,
         attn_implementation=attn, pad_token_id=0, bos_token_id=2, eos_token_id=1,
     )

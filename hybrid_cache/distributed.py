@@ -1,0 +1,128 @@
+"""`HybridRingCache` under transformers' tensor and pipeline parallelism (`DistributedConfig(tp_size=...,
+pp_size=...)`, torch.distributed underneath): which decoder layers this process runs, the split transformers makes,
+and the splits a cache can serve.
+
+Tensor parallelism needs nothing from the cache: every rank runs every layer on its own share of the KV heads, and the
+layers allocate what their first update brings (`kv_heads / tp_size` heads per rank).
+
+Pipeline parallelism does: every stage runs the same `generate` loop with its own cache, but only the stage's own
+layers call `update`, while transformers asks the cache for the cache length and the mask sizes of layer 0 / the first
+sliding / the first full layer (`get_seq_length()`, `get_mask_sizes(q, layer_idx)`), layers another stage runs. A cache
+that gives those layers a `DummyLayer` answers from the first layer it holds instead (transformers' `Cache` skips dummy
+layers for these questions), which is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import SimpleNamespace
+from typing import Any
+
+from transformers.cache_utils import Cache, DummyLayer
+
+__all__ = [
+    "check_stage_layers",
+    "parallel_sizes",
+    "pipeline_layer_range",
+    "restrict_to_stage",
+    "stage_layers",
+]
+
+
+def parallel_sizes(config: Any) -> tuple[int, int]:
+    """`(tp_size, pp_size)` of the model a config belongs to: `from_pretrained(..., distributed_config=...)` stores its
+    `DistributedConfig` on `model.config`; `(1, 1)` for a model loaded in one process."""
+    distributed = getattr(config, "distributed_config", None)
+    if isinstance(distributed, dict):
+        return int(distributed.get("tp_size") or 1), int(distributed.get("pp_size") or 1)
+    return int(getattr(distributed, "tp_size", None) or 1), int(getattr(distributed, "pp_size", None) or 1)
+
+
+def pipeline_layer_range(stage: int, num_stages: int, num_layers: int) -> range:
+    """The decoder layers transformers gives pipeline stage `stage` of `num_stages` (remainder to the first stages).
+
+    Computed by transformers' own `PipelineStage.layer_range_for_rank`, so the split follows transformers if it
+    changes (its code plans to balance stages by layer type).
+    """
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be in [0, {num_stages}), got {stage}.")
+    from transformers.distributed.pipeline_parallel import PipelineStage
+
+    start, end = PipelineStage.layer_range_for_rank(SimpleNamespace(pp_size=num_stages), stage, num_layers)
+    return range(start, end)
+
+
+def stage_layers(model: Any) -> list[int] | None:
+    """Indices of the decoder layers this process runs; `None` when the model is not pipeline parallel.
+
+    Read from the modules: transformers replaces the layers of other stages with `PipelineIdentityLayer`.
+
+    Example:
+
+    ```python
+    >>> model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(pp_size=2))
+    >>> stage_layers(model)  # on rank 1 of a 6-layer model
+    [3, 4, 5]
+    ```
+    """
+    if getattr(model, "_pp_stage", None) is None:
+        return None
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+    decoder = getattr(model, getattr(model, "base_model_prefix", ""), model)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(model).__name__} is pipeline parallel but has no `{model.base_model_prefix}.layers` to read the "
+            f"stage's layers from; pass `stage_layers=` explicitly."
+        )
+    return [index for index, layer in enumerate(layers) if not isinstance(layer, PipelineIdentityLayer)]
+
+
+def check_stage_layers(text_config: Any, layers: Iterable[int]) -> list[int]:
+    """Validate the layers a pipeline stage holds; return them sorted.
+
+    Refuses what no cache of one stage can serve: no layer at all, unknown indices, and a KV-shared layer (Gemma 4
+    `kv_sharing_modes == "reuse"`) whose producer layer runs on another stage (transformers hands shared K/V from
+    layer to layer inside one forward of one process; they never cross stages).
+    """
+    num_layers = text_config.num_hidden_layers
+    held = sorted(set(int(index) for index in layers))
+    if not held:
+        raise ValueError(
+            f"This pipeline stage holds no decoder layer (the model has {num_layers}); use a pp_size of at most "
+            f"{num_layers}."
+        )
+    if held[0] < 0 or held[-1] >= num_layers:
+        raise ValueError(f"stage_layers={held} is outside the model's {num_layers} layers (0..{num_layers - 1}).")
+    modes = getattr(text_config, "kv_sharing_modes", None) or [None] * num_layers
+    layer_types = getattr(text_config, "layer_types", None) or [None] * num_layers
+    producers = {layer_types[index]: index for index, mode in enumerate(modes) if mode == "store"}
+    for index in held:
+        producer = producers.get(layer_types[index])
+        if modes[index] == "reuse" and producer is not None and producer not in held:
+            raise ValueError(
+                f"Layer {index} reuses the keys/values of layer {producer} (KV sharing), but this pipeline stage "
+                f"holds layers {held[0]}..{held[-1]} and layer {producer} runs on another stage: transformers passes "
+                f"shared K/V only within one process. Use tensor parallelism for this model, or a pipeline split that "
+                f"keeps layers {producer}..{num_layers - 1} on one stage."
+            )
+    return held
+
+
+def restrict_to_stage(cache: Cache, layers: Iterable[int]) -> Cache:
+    """Give every layer of `cache` that this stage does not run a `DummyLayer` (in place; returns `cache`).
+
+    For transformers' own caches under pipeline parallelism (`DynamicCache(config=...)`, `StaticCache(...)`): without
+    it, a later stage sizes its masks from layers it never updates and its results differ from one process (see
+    docs/distributed.md). `HybridRingCache` does this itself (`HybridRingCache.for_model(model)`).
+    """
+    if not cache.layers:
+        raise ValueError(
+            "restrict_to_stage needs a cache built with its layers (`DynamicCache(config=model.config)`)."
+        )
+    held = set(check_stage_layers(SimpleNamespace(num_hidden_layers=len(cache.layers)), layers))
+    for index in range(len(cache.layers)):
+        if index not in held:
+            cache.layers[index] = DummyLayer()
+    return cache
