@@ -169,35 +169,36 @@ def _check_window(
     use_vmap: bool,
     config=None,
 ) -> None:
-    """Refuse a mask that lets a real query see a key older than the ring's oldest held position.
+    """Refuse a sliding mask that lets a real query see a key older than the ring's oldest held position.
 
-    The model's own mask function decides what is visible; the ring holds only the newest `capacity` positions. If
-    the mask allows the position just below the oldest one held (for a real query and a real key), the no-cache
+    The model's own mask function decides what is visible; the ring holds only the newest `capacity` positions. If a
+    windowed mask allows the position just below the oldest one held (for a real query and a real key), the no-cache
     forward would attend to a key the ring has overwritten: the cache was built for a smaller window than the
-    model's (e.g. from another config). Evaluated with transformers' own `sdpa_mask` on that one key column.
+    model's (e.g. from another config). A mask that also sees position 0 is a full-attention mask: transformers asks
+    a ring layer for it when the cache holds no full-attention layer of its own (all-sliding models, pipeline stages
+    without one); no ring layer consumes it, so it is built but not checked. Evaluated with transformers' own
+    `sdpa_mask` on single key columns.
     """
     held = layout.positions[layout.positions >= 0]
     if held.numel() == 0 or int(held.min()) == 0:
         return
     missing = int(held.min()) - 1
-    probe = sdpa_mask(
-        batch_size=batch_size,
-        q_length=q_length,
-        kv_length=1,
-        q_offset=q_offset,
-        kv_offset=missing,
-        mask_function=mask_function,
-        attention_mask=padding_mask,
-        allow_is_causal_skip=False,
-        use_vmap=use_vmap,
-        device=device,
-    )[:, 0, :, 0]  # [batch, q]
+
+    def visible(position: int, padding: torch.Tensor | None) -> torch.Tensor:  # [batch, q]
+        return sdpa_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=1, q_offset=q_offset, kv_offset=position,
+            mask_function=mask_function, attention_mask=padding, allow_is_causal_skip=False, use_vmap=use_vmap,
+            device=device,
+        )[:, 0, :, 0]
+
+    violation = visible(missing, padding_mask)
     if padding_mask is not None:  # padding queries see nothing that a real token reads: ignore them
         query_positions = torch.arange(q_length, device=device) + q_offset
         inside = query_positions < padding_mask.shape[-1]
-        real = padding_mask[:, query_positions.clamp(max=padding_mask.shape[-1] - 1)] | ~inside
-        probe = probe & real
-    if bool(probe.any()):
+        violation &= padding_mask[:, query_positions.clamp(max=padding_mask.shape[-1] - 1)] | ~inside
+    if bool(violation.any()):
+        violation &= ~visible(0, None)  # full-attention masks are not a ring's
+    if bool(violation.any()):
         model_window = getattr(config, "sliding_window", None)
         held_text = f"positions {int(held.min())}..{int(held.max())}"
         raise WindowMismatchError(

@@ -9,7 +9,8 @@ The numbers are what the caches report, not a formula of their own:
 
 - `HybridRingCache`: the cache is built from the config (with the same arguments) and each layer answers
   `planned_nbytes(...)`, which uses the growth rule its `update` uses (`hybrid_cache.layers.grown_capacity`); tested
-  equal to `memory_report().total_bytes` after `generate`.
+  equal to `memory_report().kv_bytes` after `generate` (the report's `total_bytes` adds the fixed mode's 8-byte
+  counters and, right after a speculative step, the window kept to undo it).
 - `DynamicCache` / `StaticCache`: built from the config; their layer classes decide the slots (tested equal to
   `hybrid_cache.compare.kv_bytes_held`, which counts the storages they keep alive).
 - full cache: every layer that stores K/V keeps every token (`memory_report().full_cache_bytes`).

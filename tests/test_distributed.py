@@ -184,7 +184,7 @@ def test_tensor_parallel_memory_equals_planner(tp_results, model_dirs, model, sc
             max_cache_len=_fixed_capacity(scenario, cache),
         )
         assert got["bytes_by_type"] == plan.stages[0]["ring"].bytes_by_type
-        assert got["total_bytes"] == plan.per_process("ring")
+        assert got["kv_bytes"] == plan.per_process("ring")
 
 
 # --- pipeline parallel --------------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_pipeline_memory_per_stage_equals_planner(pp_results, model_dirs, model,
         )
         stage = plan.stages[result["rank"]]["ring"]
         assert got["bytes_by_type"] == stage.bytes_by_type
-        assert got["total_bytes"] == stage.total_bytes
+        assert got["kv_bytes"] == stage.total_bytes
 
 
 def test_pipeline_split_across_kv_sharing_fails_fast_with_the_reason(model_dirs, tmp_path):

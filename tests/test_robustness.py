@@ -245,6 +245,21 @@ def test_cache_window_larger_than_model_is_exact(model_name):
     assert_close(chunked_logits(model, cache, ids, [7] + [1] * 13), no_cache_logits(model, ids), "larger window")
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["growing", "fixed"])
+def test_all_sliding_model_full_mask_request_is_harmless(fixed):
+    """A Gemma 3 with only sliding layers still builds a full-attention mask, which transformers sizes against layer
+    0 (a ring) for want of a full layer: unused, it must not trip the window check; results stay exact."""
+    model = tiny_gemma3(window=4, layers=2)
+    assert set(model.config.layer_types) == {"sliding_attention"}
+    ids = tokens(16, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cache = HybridRingCache(model.config, max_cache_len=32 if fixed else None)
+    got = chunked_logits(model, cache, ids, [6, 1, 1, 1, 3, 1, 1, 1, 1], mask)
+    expected = no_cache_logits(model, ids, mask)
+    assert_close(got[mask.bool()], expected[mask.bool()], "all sliding")
+
+
 # --- prepared 4D masks are refused after the wrap, even after an exact crop -------------------------------------------
 def test_prepared_4d_mask_refused_after_crop():
     model = tiny_gemma3(window=3)

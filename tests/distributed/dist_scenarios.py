@@ -139,7 +139,7 @@ def run(model: Any, scenario_name: str, cache_name: str) -> dict[str, Any]:
                              and layer.keys.numel()), None),
         "prompt": inputs["input_ids"].shape[1],
         "tokens": cache.get_seq_length(),
-        "total_bytes": None if report is None else report.total_bytes,
+        "kv_bytes": None if report is None else report.kv_bytes,
         "bytes_by_type": None if report is None else dict(report.bytes_by_type),
         "kept_storage": bool(pointers) and pointers == storage_pointers(cache),
         "kv_heads": [getattr(layer, "num_heads", None) for layer in cache.layers],
