@@ -16,9 +16,11 @@ from .mask_hook import (
     is_mask_hook_installed,
     uninstall_mask_hook,
 )
+from .snapshot import CacheCheckpoint, read_metadata
 
 __all__ = [
     "CacheCapacityError",
+    "CacheCheckpoint",
     "GrowableFullLayer",
     "HybridRingCache",
     "MemoryReport",
@@ -30,6 +32,7 @@ __all__ = [
     "UnsupportedAttentionError",
     "install_mask_hook",
     "is_mask_hook_installed",
+    "read_metadata",
     "uninstall_mask_hook",
 ]
 __version__ = "0.1.0"
