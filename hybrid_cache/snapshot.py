@@ -203,11 +203,11 @@ def model_identity(cache: HybridRingCache) -> dict[str, Any]:
 
 def _describe(field: str, saved: Any, current: Any, layer_types: list[str] | None) -> str:
     """A readable difference of one identity field; per-layer lists name the layers that differ."""
-    if not (isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current)) or field in (
-        "layer_types", "kv_sharing_modes"
-    ):
+    if not (isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current)):
         return f"{field}: file {saved}, config {current}"
     layers = [i for i, (a, b) in enumerate(zip(saved, current)) if a != b]
+    if field in ("layer_types", "kv_sharing_modes"):
+        return f"{field}: file {saved}, config {current} (layers {layers} differ)"
     saved_values = sorted({str(saved[i]) for i in layers})
     current_values = sorted({str(current[i]) for i in layers})
     kinds = {layer_types[i] for i in layers} if layer_types else set()
