@@ -629,3 +629,40 @@ def test_missing_file_is_an_os_error_naming_the_path(tmp_path):
         HybridRingCache.load(tmp_path / "nowhere.safetensors", get_model("gemma3", WINDOW).config)
     with pytest.raises(OSError, match="nowhere.safetensors"):
         read_metadata(tmp_path / "nowhere.safetensors")
+
+
+def test_compiled_decode_checkpoint_restore():
+    """Compiled one-token steps (fixed capacity) record their writes too, and a restore does not recompile."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = get_model("gemma3", 4)
+    prompt = tokens(9, 0, batch=2)
+
+    def decode(cache, forward, steps, first):
+        out = []
+        with torch.no_grad():
+            for step in range(steps):
+                position = cache.get_seq_length()
+                token = torch.full((2, 1), 3 + (first + step) % 90)
+                logits = forward(input_ids=token, cache=cache, position_ids=torch.full((2, 1), position),
+                                 use_cache=True).logits
+                out.append(logits)
+        return torch.cat(out, 1)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model.forward, backend=counter, fullgraph=True)
+    cache = HybridRingCache(model.config, max_cache_len=64, rollback_margin=1)
+    feed(model, cache, prompt)
+    checkpoint = cache.checkpoint()
+    expected = decode(cache, compiled, 12, 0)  # three wraps of the ring
+    for _ in range(2):
+        cache.restore(checkpoint)
+        assert torch.equal(decode(cache, compiled, 12, 0), expected)
+    assert counter.frame_count == 1
+    cache.restore(checkpoint)
+    cache.crop(-2)
+    decode(cache, compiled, 1, 50)  # a compiled write at position 7 < 9
+    with pytest.raises(ValueError, match="no longer holds its 9 tokens"):
+        cache.restore(checkpoint)
