@@ -48,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--text", default=None, help="a text file (default: the Britannica article)")
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--max-new-tokens", type=int, default=20)
+    parser.add_argument("--questions", type=int, default=len(QUESTIONS), help="how many of the questions to ask")
     args = parser.parse_args(argv)
 
     from hybrid_cache import HybridRingCache, read_metadata
@@ -71,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # 2. Answer each question cold (recompute the prefix) and warm (load the file): same tokens, far sooner.
     status = 0
-    for question in QUESTIONS:
+    for question in QUESTIONS[: args.questions]:
         ids = torch.cat([prefix, tokenizer(question, add_special_tokens=False, return_tensors="pt").input_ids], 1)
         cold, expected = time_to_first_token(model, ids, lambda: HybridRingCache(model.config), args.max_new_tokens)
         warm, answer = time_to_first_token(
@@ -87,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     checkpoint = cache.checkpoint()
     print(f"\ncheckpoint: {checkpoint.nbytes() / 2**20:.1f} MiB of ring slots (the cache holds "
           f"{cache.memory_report().total_bytes / 2**20:.1f} MiB)")
-    for question in QUESTIONS[:2]:
+    for question in QUESTIONS[: min(2, args.questions)]:
         cache.restore(checkpoint)
         ids = torch.cat([prefix, tokenizer(question, add_special_tokens=False, return_tensors="pt").input_ids], 1)
         seconds, answer = time_to_first_token(model, ids, lambda: cache, args.max_new_tokens)

@@ -305,6 +305,8 @@ def format_bench(result: dict[str, Any]) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = _load_model(args.model)
     with tempfile.TemporaryDirectory(prefix="hybrid-cache-prefix-") as workdir:
         result = run_bench(model, tokenizer, prefix_tokens=args.prefix_tokens, question_tokens=args.question_tokens,
@@ -337,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--question-tokens", type=int, default=32)
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     bench.add_argument("--json", default=None, help="write the result here")
     bench.set_defaults(run=cmd_bench)
     return parser

@@ -36,12 +36,7 @@ SEEDS = int(os.environ.get("HYBRID_CACHE_SNAPSHOT_SEEDS", "12"))
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache
@@ -223,6 +218,24 @@ def test_batch_of_continuations_from_a_batch_one_prefix(model_name, tmp_path):
         branch.batch_repeat_interleave(3)
         assert torch.equal(generate(model, input_ids, mask, branch), expected)
     assert cache.layers[0].batch_size == 1  # the deep-copied prefix itself is untouched
+
+
+def test_num_return_sequences_from_a_loaded_prefix(tmp_path):
+    """`generate` expands the prompt, not a cache that already holds tokens: expand the loaded cache first."""
+    model = get_model("gemma3", WINDOW)
+    prefix = torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(4))
+    cache = HybridRingCache(model.config)
+    feed(model, cache, prefix)
+    cache.save(tmp_path / "p.safetensors")
+    input_ids = torch.cat([prefix, torch.tensor([[5, 6, 7]])], dim=1)
+    kwargs = {"max_new_tokens": 10, "min_new_tokens": 10, "do_sample": True, "num_return_sequences": 3}
+    loaded = HybridRingCache.load(tmp_path / "p.safetensors", model.config)
+    loaded.batch_repeat_interleave(3)
+    torch.manual_seed(0)
+    got = model.generate(input_ids=input_ids, cache=loaded, **kwargs)
+    torch.manual_seed(0)
+    expected = model.generate(input_ids=input_ids, use_cache=False, **kwargs)
+    assert torch.equal(got, expected)
 
 
 # --- across processes -------------------------------------------------------------------------------------------------
