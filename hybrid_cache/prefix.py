@@ -160,7 +160,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     cache = build_prefix(model, prefix)
     built = time.perf_counter() - started
-    metadata = {TOKENS_KEY: json.dumps(prefix[0].tolist()), SOURCE_KEY: description, MODEL_KEY: args.model or "default"}
+    metadata = {
+        TOKENS_KEY: json.dumps(prefix[0].tolist()), SOURCE_KEY: description, MODEL_KEY: args.model or "default"
+    }
     cache.save(args.output, metadata=metadata)
     print(f"prefix: {prefix.shape[1]} tokens of {description}, prefilled in {built:.2f} s")
     print(cache.memory_report())
@@ -172,7 +174,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
     metadata = read_metadata(args.cache)
     if TOKENS_KEY not in metadata:
         raise SystemExit(f"{args.cache} has no {TOKENS_KEY!r} metadata: build it with `hybrid-cache-prefix build`.")
-    model, tokenizer = _load_model(args.model or (None if metadata.get(MODEL_KEY) == "default" else metadata.get(MODEL_KEY)))
+    saved_model = metadata.get(MODEL_KEY)
+    model, tokenizer = _load_model(args.model or (None if saved_model == "default" else saved_model))
     prefix = torch.tensor([json.loads(metadata[TOKENS_KEY])])
     size = os.path.getsize(args.cache)
     print(f"{args.cache}: {_mib(size)}, {prefix.shape[1]} prefix tokens of {metadata.get(SOURCE_KEY, '?')}\n")
@@ -188,7 +191,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
                 model, input_ids, lambda: HybridRingCache(model.config), args.max_new_tokens
             )
             same = "identical" if torch.equal(answer, expected) else "DIFFERENT"
-            line += f" | cold ({input_ids.shape[1]} tokens): {cold * 1000:8.1f} ms | {warm / cold:.3f}x | answers {same}"
+            line += (f" | cold ({input_ids.shape[1]} tokens): {cold * 1000:8.1f} ms | {warm / cold:.3f}x | "
+                     f"answers {same}")
         print(f"> {prompt}")
         print(tokenizer.decode(answer[0, input_ids.shape[1] :], skip_special_tokens=True).strip())
         print(f"  {line}\n", flush=True)
@@ -292,7 +296,8 @@ def format_bench(result: dict[str, Any]) -> str:
     rows += [
         "",
         f"file {result['file_bytes']:,} B vs K/V held (memory_report) {result['kv_bytes_held']:,} B "
-        f"({100 * (result['file_over_kv_bytes'] - 1):+.2f}%); full cache of every layer {_mib(result['full_cache_bytes'])}",
+        f"({100 * (result['file_over_kv_bytes'] - 1):+.2f}%); full cache of every layer "
+        f"{_mib(result['full_cache_bytes'])}",
         f"checkpoint {result['checkpoint_bytes']:,} B vs deep copy {result['deep_copy_bytes']:,} B "
         f"({result['checkpoint_over_deep_copy']:.3f}x)",
         f"same first token: {result['same_first_token']}; max |logit difference| warm vs cold "

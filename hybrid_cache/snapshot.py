@@ -572,18 +572,18 @@ def _check_restorable(cache: HybridRingCache, checkpoint: CacheCheckpoint) -> No
             )
             raise ValueError(
                 f"Cannot restore the checkpoint: layer {index} now holds {held}, but the checkpoint was taken with "
-                f"batch_size={state.batch_size}, kv_heads={state.num_heads}, {state.dtype}. A checkpoint restores into "
-                f"the same batch size, dtype and device: take it after `batch_repeat_interleave` / `.to()`, or keep "
-                f"a `copy.deepcopy(cache)` instead."
+                f"batch_size={state.batch_size}, kv_heads={state.num_heads}, {state.dtype}. A checkpoint restores "
+                f"into the same batch size, dtype and device: take it after `batch_repeat_interleave`, or keep a "
+                f"`copy.deepcopy(cache)` instead."
             )
         if state.kind == FULL:
             floor = min(checkpoint._floors[index], int(layer.write_floor))
             if floor < state.length:
                 raise ValueError(
                     f"Cannot restore the checkpoint exactly: full-attention layer {index} no longer holds its "
-                    f"{state.length} tokens (positions from {floor} on were rewritten since: a crop or reset below the "
-                    f"checkpoint followed by new tokens, a beam-search reorder, or a reallocation). A checkpoint keeps "
-                    f"only the sliding-window rings; to go back further, keep `copy.deepcopy(cache)` or "
+                    f"{state.length} tokens (positions from {floor} on were rewritten since: a crop or reset below "
+                    f"the checkpoint followed by new tokens, a beam-search reorder, or a reallocation). A checkpoint "
+                    f"keeps only the sliding-window rings; to go back further, keep `copy.deepcopy(cache)` or "
                     f"`cache.save(path)` instead."
                 )
 
@@ -591,7 +591,9 @@ def _check_restorable(cache: HybridRingCache, checkpoint: CacheCheckpoint) -> No
 def restore_checkpoint(cache: HybridRingCache, checkpoint: CacheCheckpoint) -> None:
     """See `HybridRingCache.restore`."""
     if not isinstance(checkpoint, CacheCheckpoint):
-        raise TypeError(f"restore() takes a CacheCheckpoint from `cache.checkpoint()`, got {type(checkpoint).__name__}.")
+        raise TypeError(
+            f"restore() takes a CacheCheckpoint from `cache.checkpoint()`, got {type(checkpoint).__name__}."
+        )
     if checkpoint._cache() is not cache:
         raise ValueError(
             "This checkpoint was taken from another cache. Restore it into the cache it came from; to branch a cache "

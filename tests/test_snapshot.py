@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits, tiny_gemma3, tiny_gemma4
+from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits, tiny_gemma4
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_oracle import assert_matches_oracle, left_padded_batch, random_schedule
@@ -116,11 +116,13 @@ def test_save_load_and_restore_continue_exactly(model_name, seed, tmp_path):
     loaded = HybridRingCache.load(path, model.config)
     assert_same_state(held_state(loaded), saved_state)  # bit-identical tensors, same counters and capacities
     assert loaded.memory_report().total_bytes == saved_memory.total_bytes
-    assert torch.equal(continue_logits(model, loaded, input_ids, attention_mask, prefix, schedule), uninterrupted), label
+    got = continue_logits(model, loaded, input_ids, attention_mask, prefix, schedule)
+    assert torch.equal(got, uninterrupted), label
 
     cache.restore(checkpoint)
     assert_same_state(held_state(cache, capacities=False), saved_without_capacity)
-    assert torch.equal(continue_logits(model, cache, input_ids, attention_mask, prefix, schedule), uninterrupted), label
+    got = continue_logits(model, cache, input_ids, attention_mask, prefix, schedule)
+    assert torch.equal(got, uninterrupted), label
 
     # A second branch from the same checkpoint equals computing prefix + that branch from scratch.
     cache.restore(checkpoint)
@@ -238,7 +240,7 @@ def test_num_return_sequences_from_a_loaded_prefix(tmp_path):
     assert torch.equal(got, expected)
 
 
-# --- across processes -------------------------------------------------------------------------------------------------
+# --- across processes ----------------------------------------------------------------------------------------------
 _SAVE_IN_CHILD = """
 import sys, torch
 sys.path.insert(0, {tests!r})
@@ -297,7 +299,9 @@ def tokens(length: int, seed: int, batch: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"max_cache_len": 64}, {"rollback_margin": 2}], ids=["grow", "fixed", "margin"])
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"max_cache_len": 64}, {"rollback_margin": 2}], ids=["grow", "fixed", "margin"]
+)
 def test_restore_after_decode_crop_and_reset(model_name, kwargs):
     """Taken before the first wrap; restored after decoding past it, after a crop, after a reset (nothing new
     written), and many times: each time the next logits equal the uninterrupted ones."""
@@ -419,12 +423,12 @@ def test_restore_keeps_static_addresses_for_compiled_graphs():
     cache = HybridRingCache(model.config, max_cache_len=48)
     feed(model, cache, tokens(9, 0))
     checkpoint = cache.checkpoint()
-    addresses = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers if hasattr(layer, "cumulative_length")]
+    storing = [layer for layer in cache.layers if hasattr(layer, "cumulative_length")]
+    addresses = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in storing]
     for step in range(10):
         feed(model, cache, tokens(1, step))
     cache.restore(checkpoint)
-    assert addresses == [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers
-                         if hasattr(layer, "cumulative_length")]
+    assert addresses == [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in storing]
 
 
 def test_under_inference_mode(model_name, tmp_path):
@@ -443,7 +447,7 @@ def test_under_inference_mode(model_name, tmp_path):
     assert cache.get_seq_length() == 15
 
 
-# --- files: paths, metadata, errors -----------------------------------------------------------------------------------
+# --- files: paths, metadata, errors --------------------------------------------------------------------------------
 @pytest.fixture
 def saved(tmp_path) -> tuple[Path, HybridRingCache]:
     model = get_model("gemma3", WINDOW)
