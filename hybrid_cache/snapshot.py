@@ -525,6 +525,20 @@ class CacheCheckpoint:
     def __repr__(self) -> str:
         return f"CacheCheckpoint(length={self.length}, nbytes={self.nbytes()})"
 
+    # A checkpoint never changes once taken, and its cache must know every copy of it (to tell it about later
+    # writes): copies are the checkpoint itself, and it does not leave the process.
+    def __copy__(self) -> CacheCheckpoint:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> CacheCheckpoint:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "A CacheCheckpoint lives in memory next to its cache and cannot be pickled; save the cache itself with "
+            "`cache.save(path)` and load it with `HybridRingCache.load(path, config)`."
+        )
+
 
 def _full_layers(cache: HybridRingCache) -> Iterator[tuple[int, Any]]:
     return ((i, layer) for i, (kind, layer) in enumerate(zip(cache.layer_kinds, cache.layers)) if kind == FULL)

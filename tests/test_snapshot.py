@@ -408,6 +408,23 @@ def test_restore_refuses_what_it_cannot_restore_and_changes_nothing(model_name):
         cache.restore(held_state(cache))
 
 
+def test_checkpoints_are_not_copied_or_pickled():
+    """A copy the cache does not know about would miss later writes: copies are the checkpoint itself."""
+    import pickle
+
+    model = get_model("gemma3", WINDOW)
+    cache = HybridRingCache(model.config)
+    feed(model, cache, tokens(10, 0))
+    checkpoint = cache.checkpoint()
+    assert copy.copy(checkpoint) is checkpoint and copy.deepcopy(checkpoint) is checkpoint
+    with pytest.raises(TypeError, match="cache.save"):
+        pickle.dumps(checkpoint)
+    cache.crop(-1)
+    feed(model, cache, tokens(4, 1))  # rewrites positions 9..12
+    with pytest.raises(ValueError, match="no longer holds its 10 tokens"):
+        cache.restore(copy.deepcopy(checkpoint))
+
+
 def test_beam_reorder_invalidates_a_checkpoint():
     model = get_model("gemma3", WINDOW)
     cache = HybridRingCache(model.config)
