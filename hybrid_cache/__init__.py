@@ -19,9 +19,11 @@ from .mask_hook import (
     is_mask_hook_installed,
     uninstall_mask_hook,
 )
+from .snapshot import CacheCheckpoint, read_metadata
 
 __all__ = [
     "CacheCapacityError",
+    "CacheCheckpoint",
     "GrowableFullLayer",
     "HybridRingCache",
     "MemoryReport",
@@ -37,6 +39,7 @@ __all__ = [
     "is_mask_hook_installed",
     "restrict_to_stage",
     "stage_layers",
+    "read_metadata",
     "uninstall_mask_hook",
 ]
 __version__ = "0.1.0"

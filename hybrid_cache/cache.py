@@ -4,7 +4,8 @@ attention needs; everything else is forwarding to the layers (see `layers.py`) a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from .mask_hook import (
     install_mask_hook,
     is_mask_hook_installed,
 )
+from .snapshot import CacheCheckpoint, load_cache, restore_checkpoint, save_cache, take_checkpoint
 
 __all__ = ["HybridRingCache", "MemoryReport"]
 
@@ -432,3 +434,55 @@ class HybridRingCache(Cache):
                 per_token = layer.batch_size * layer.num_heads * (layer.k_head_dim + layer.v_head_dim)
                 report.full_cache_bytes += per_token * layer.keys.element_size() * tokens
         return report
+
+    # --- persistence and snapshots (the logic lives in snapshot.py) ------------------------------------------------
+    def save(self, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
+        """Write the cache to one safetensors file, from which `HybridRingCache.load` continues exactly.
+
+        The file holds every layer's K/V content (rings in slot order with their counters, full layers' tokens),
+        the constructor arguments, what identifies the model config, and `metadata` verbatim in the safetensors
+        header (`safetensors.safe_open(path, "pt").metadata()`, or `hybrid_cache.read_metadata(path)`). It is
+        written to a temporary file in the same directory and renamed over `path`: one file, no leftovers.
+
+        Args:
+            path (`str` or `os.PathLike`): the file to write (replaced if it exists).
+            metadata (`dict[str, str]`, *optional*): your own header entries; keys may not start with
+                `"hybrid_cache."`.
+        """
+        save_cache(self, path, metadata)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike, config: PreTrainedConfig, *, device: torch.device | str | None = None
+    ) -> HybridRingCache:
+        """Read a cache written by `save`: it continues exactly as the saved cache would (same logits in fp32,
+        bit-identical tensors in every dtype).
+
+        Args:
+            path (`str` or `os.PathLike`): a file written by `HybridRingCache.save`.
+            config (`PreTrainedConfig`): the config of the model that saved it (checked against the file).
+            device (`torch.device` or `str`, *optional*): where to put the tensors (default: CPU).
+
+        Raises:
+            ValueError: `config` does not match the file (the message names the field: `num_hidden_layers`,
+                `layer_types`, `sliding_window`, `num_key_value_heads`, `head_dim`, ...), or the file is truncated,
+                corrupted or not a saved cache (the message names the path).
+            OSError: the file cannot be opened.
+        """
+        return load_cache(cls, path, config, device)
+
+    def checkpoint(self) -> CacheCheckpoint:
+        """An in-memory snapshot for `restore`: a copy of the rings (about `sliding layers x window` slots) and the
+        full layers' lengths, never their history. Cheap enough for every branch point of a generation."""
+        return take_checkpoint(self)
+
+    def restore(self, checkpoint: CacheCheckpoint) -> None:
+        """Go back exactly to the state at `checkpoint()`, even after the rings overwrote those slots: the rings get
+        their saved slots back and the full layers are cut back to the checkpoint's length.
+
+        Works any number of times, after decoding, `crop` or `reset`, while the batch size is the same. Raises
+        `ValueError` (and changes nothing) for another batch size, or when the full layers' tokens before the
+        checkpoint were rewritten since (e.g. `reset()` then a new prompt).
+        """
+        restore_checkpoint(self, checkpoint)
+        self._forget_step_layout()  # a mask built before the restore describes another layout

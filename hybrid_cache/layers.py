@@ -121,6 +121,10 @@ def _mark_static(*tensors: torch.Tensor) -> None:
             torch._dynamo.mark_static_address(tensor)
 
 
+# `write_floor` when nothing was written since it was last cleared (any position compares above it).
+NOTHING_WRITTEN = 2**62
+
+
 class _StorageLayer(CacheLayerMixin):
     """Shared allocation logic: lazy allocation from the first `update`, on the tensors' own device and dtype."""
 
@@ -131,6 +135,16 @@ class _StorageLayer(CacheLayerMixin):
     def __init__(self) -> None:
         super().__init__()
         self.cumulative_length = 0
+        self.write_floor = NOTHING_WRITTEN
+
+    def note_write(self, position: int) -> None:
+        """Record that the stored tokens from `position` on may have changed.
+
+        `write_floor` is the lowest such position since `hybrid_cache.snapshot` last cleared it (to
+        `NOTHING_WRITTEN`): a checkpoint of length `L` can cut a full layer back to `L` only if its tokens before `L`
+        were not rewritten since (a crop or reset below `L` followed by new tokens, a beam reorder, a reallocation).
+        """
+        self.write_floor = min(self.write_floor, position)
 
     def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -139,6 +153,7 @@ class _StorageLayer(CacheLayerMixin):
         self.keys = key_states.new_zeros((self.batch_size, self.num_heads, slots, self.k_head_dim))
         self.values = value_states.new_zeros((self.batch_size, self.num_heads, slots, self.v_head_dim))
         self.is_initialized = True
+        self.note_write(0)
 
     def _grow(self, needed: int, query_length: int, limit: int | None = None) -> None:
         """Make room for `needed` time-ordered slots, copying only the held prefix `[:length]`; never beyond `limit`.
@@ -242,6 +257,7 @@ class _StorageLayer(CacheLayerMixin):
             beam_idx = beam_idx.to(self.device)
             self.keys = self.keys.index_select(0, beam_idx)
             self.values = self.values.index_select(0, beam_idx)
+            self.note_write(0)
 
     def _reorder_in_place(self, beam_idx: torch.LongTensor) -> None:
         # In place, to keep the static addresses that compiled graphs captured.
@@ -250,6 +266,7 @@ class _StorageLayer(CacheLayerMixin):
             beam_idx = beam_idx.to(self.device)
             self.keys.copy_(self.keys.index_select(0, beam_idx))
             self.values.copy_(self.values.index_select(0, beam_idx))
+            self.note_write(0)
 
     def check_crop(self, tokens_to_remove: int) -> None:
         """Raise (changing nothing) if `crop(tokens_to_remove)` cannot be exact; the container checks every layer
@@ -266,12 +283,14 @@ class _StorageLayer(CacheLayerMixin):
             self.keys = self.keys.repeat_interleave(repeats, dim=0)
             self.values = self.values.repeat_interleave(repeats, dim=0)
             self.batch_size = self.keys.shape[0]
+            self.note_write(0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             self.keys = self.keys[indices, ...]
             self.values = self.values[indices, ...]
             self.batch_size = self.keys.shape[0]
+            self.note_write(0)
 
 
 def _resolve_crop_length(tokens_to_remove: int, length: int) -> int:
@@ -600,6 +619,7 @@ class GrowableFullLayer(_StorageLayer):
         start = self.cumulative_length
         end = start + key_states.shape[-2]
         self._grow(end, key_states.shape[-2])
+        self.note_write(start)
         self.keys[:, :, start:end].copy_(key_states)
         self.values[:, :, start:end].copy_(value_states)
         self.cumulative_length = end
@@ -622,6 +642,7 @@ class GrowableFullLayer(_StorageLayer):
             length, beam_idx = self.cumulative_length, beam_idx.to(self.device)
             self.keys[:, :, :length] = self.keys[:, :, :length].index_select(0, beam_idx)
             self.values[:, :, :length] = self.values[:, :, :length].index_select(0, beam_idx)
+            self.note_write(0)
 
 
 class StaticFullLayer(_StorageLayer):
@@ -638,19 +659,27 @@ class StaticFullLayer(_StorageLayer):
     is_sliding = False
     is_compileable = True
     cumulative_length = _tensor_counter("length_tensor")
-    _counter_names = ("length_tensor",)
+    _counter_names = ("length_tensor", "floor_tensor")
+    write_floor = _tensor_counter("floor_tensor")
 
     def __init__(self, max_cache_len: int) -> None:
         if max_cache_len < 1:
             raise ValueError(f"`max_cache_len` must be >= 1, got {max_cache_len}.")
         self.max_cache_len = int(max_cache_len)
         self.length_tensor = torch.zeros((), dtype=torch.long)
+        self.floor_tensor = torch.full((), NOTHING_WRITTEN, dtype=torch.long)
         super().__init__()
 
+    def note_write(self, position: int | torch.Tensor) -> None:
+        # A tensor op, so that compiled decode steps record their writes too.
+        position = torch.as_tensor(position, device=self.floor_tensor.device)
+        torch.minimum(self.floor_tensor, position, out=self.floor_tensor)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.floor_tensor = self.floor_tensor.to(key_states.device)
         self._allocate(key_states, value_states, self.max_cache_len)
         self.length_tensor = self.length_tensor.to(self.device)
-        _mark_static(self.keys, self.values, self.length_tensor)
+        _mark_static(self.keys, self.values, self.length_tensor, self.floor_tensor)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -666,6 +695,7 @@ class StaticFullLayer(_StorageLayer):
                     f"leave it unset for storage that grows."
                 )
         positions = self.length_tensor + torch.arange(query_length, device=self.device)
+        self.note_write(self.length_tensor)
         self.keys.index_copy_(2, positions, key_states)
         self.values.index_copy_(2, positions, value_states)
         self.length_tensor.add_(query_length)

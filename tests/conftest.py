@@ -139,3 +139,13 @@ def chunked_logits(
 @pytest.fixture(params=["gemma3", "gemma4"])
 def model_name(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a test module: tiny models run faster, and logits are bit-reproducible across processes
+    (the summation order of a kernel depends on its thread count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,103 @@
+"""The prefix-cache tool (`hybrid_cache.prefix`): the `prefill` helper that `generate` continues exactly, the TTFT
+benchmark's bookkeeping on a tiny model, and (slow) the CLI and the example end to end on the embedded model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MODEL_BUILDERS, VOCAB
+from test_oracle import left_padded_batch
+
+from hybrid_cache import HybridRingCache
+from hybrid_cache.prefix import format_bench, prefill, run_bench, time_to_first_token
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_prefill_then_generate_equals_generate_from_scratch(model_name):
+    """`prefill` gives a left-padded batch the position ids `generate` uses, so `generate` continues it exactly
+    (plain `model(...)` calls would number padded rows differently)."""
+    import random
+
+    model = MODEL_BUILDERS[model_name](window=5)
+    input_ids, attention_mask = left_padded_batch(random.Random(3), 3, 24, 5)
+    cache = HybridRingCache(model.config)
+    prefill(model, cache, input_ids[:, :11], attention_mask[:, :11], chunk_size=4)
+    prefill(model, cache, input_ids[:, 11:19], attention_mask[:, :19])
+    kwargs = {"max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False}
+    got = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
+    expected = model.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    assert torch.equal(got, expected)
+
+
+class _CharacterTokenizer:
+    """Enough of a tokenizer for `run_bench`: one id per character."""
+
+    def __call__(self, text: str, return_tensors: str = "pt"):
+        ids = torch.tensor([[3 + ord(c) % (VOCAB - 3) for c in text]])
+        return type("Encoding", (), {"input_ids": ids})()
+
+
+def test_bench_on_a_tiny_model(tmp_path):
+    model = MODEL_BUILDERS["gemma4"](window=8)
+    text = tmp_path / "text.txt"
+    text.write_text("a prefix that is much longer than the sliding window of eight tokens, " * 3)
+    result = run_bench(model, _CharacterTokenizer(), prefix_tokens=100, question_tokens=7, repeats=2,
+                       workdir=tmp_path, text=str(text), warmup=1)
+    assert result["same_first_token"]
+    assert result["max_abs_logit_difference_warm_vs_cold"] < 1e-4
+    assert set(result["ttft"]) == {"cold", "warm_file", "warm_checkpoint"}
+    assert all(len(v["all_ms"]) == 2 for v in result["ttft"].values())
+    assert result["checkpoint_bytes"] < result["deep_copy_bytes"] == result["kv_bytes_held"]
+    assert result["file_bytes"] > result["kv_bytes_held"]  # tensors + a header
+    assert "load average" in format_bench(result)
+    json.dumps(result)
+
+
+def test_time_to_first_token_counts_the_cache_construction():
+    model = MODEL_BUILDERS["gemma3"](window=4)
+    ids = torch.randint(3, VOCAB, (1, 9))
+
+    def slow_cache():
+        import time
+
+        time.sleep(0.2)
+        return HybridRingCache(model.config)
+
+    seconds, output = time_to_first_token(model, ids, slow_cache, max_new_tokens=3)
+    assert seconds >= 0.2 and output.shape == (1, 12)
+
+
+@pytest.mark.slow
+def test_cli_and_example_on_the_embedded_model(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    cli = [sys.executable, "-m", "hybrid_cache.prefix"]
+    path = tmp_path / "prefix.safetensors"
+
+    def run(*args: str) -> str:
+        done = subprocess.run([*args], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    built = run(*cli, "build", "default", "-o", str(path), "--max-tokens", "600")
+    assert "prefix: 600 tokens" in built and path.is_file()
+    asked = run(*cli, "ask", str(path), "\n\nQuestion: Where was Shakespeare born?\nAnswer:", "--max-new-tokens", "4")
+    assert "answers identical" in asked
+    bench = run(*cli, "bench", "--prefix-tokens", "600", "--question-tokens", "8", "--repeats", "1", "--warmup", "0",
+                "--json", str(tmp_path / "bench.json"))
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["same_first_token"] and "cold" in bench
+    assert abs(result["file_over_kv_bytes"] - 1) < 0.01  # the file is the K/V held, plus a small header
+    example = run(sys.executable, "examples/prefix_cache.py", "--prefix-tokens", "600", "--max-new-tokens", "3",
+                  "--questions", "1")
+    assert "DIFFERENT" not in example and example.count("identical") == 1 and "restored" in example
