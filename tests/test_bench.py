@@ -179,3 +179,13 @@ def test_contention_meter_sees_a_competing_process():
     assert warning and "quiet machine" in warning and "competing_load" in warning
     quiet = bench.Contention(wall_s=10.0, other_cpu_s=0.5, loadavg_max=0.1)
     assert not bench.ContentionMeter(threads=1).competing(quiet) and bench.busy_machine_warning(meter, quiet) is None
+
+
+def test_model_mistakes_are_one_line(capsys):
+    """A Hub id that is not cached (offline) or a path that does not exist ends the command with one clear line."""
+    for model in ("google/gemma-3-270m", "./no/such/checkpoint"):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(["--model", model, "--contexts", "8", "--batch", "1", "--bandwidth-bytes", str(1 << 20)])
+        message = str(exit_info.value)
+        assert message.startswith("hybrid-cache-bench: error: ") and "\n" not in message, message
+        assert ("Hub" in message or "does not exist" in message) and model in message

@@ -141,7 +141,10 @@ def _models(args: argparse.Namespace, device: str):
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
         for window in _windows(args):
-            model = load_bench_model(args.model, dtype, window, device=device)
+            try:
+                model = load_bench_model(args.model, dtype, window, device=device)
+            except (OSError, ValueError, ImportError) as exc:  # a wrong path or Hub id: one line, no traceback
+                raise SystemExit(f"hybrid-cache-bench: error: {exc}") from None
             config = text_config(model)
             _log(f"model {args.model} {dtype_name}: {config.num_hidden_layers} layers, window "
                  f"{getattr(config, 'sliding_window', None)}, weights {parameter_bytes(model) / 2**20:.0f} MiB")

@@ -4,8 +4,9 @@ sliding layer returns.
 
 A prefill run feeds `context` random token ids through ``model(input_ids=chunk, cache=cache, use_cache=True,
 logits_to_keep=1)`` in chunks of `chunk` tokens, as ``generate``'s chunked prefill does (the model builds every mask
-itself; only the last position's logits are computed). Runs are interleaved across caches (``for rep: for cache``);
-every run uses a fresh cache.
+itself; only the last position's logits are computed). Before the timed runs each cache does one untimed short
+prefill (first-call costs); runs are interleaved across caches (``for rep: for cache``, the order rotated each rep so
+that no cache always goes first); every run uses a fresh cache.
 """
 
 from __future__ import annotations
@@ -110,8 +111,10 @@ def run_prefill_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, co
             held: dict[str, int] = {}
             logits: dict[str, torch.Tensor] = {}
             load = {c: Contention() for c in caches}
-            for _ in range(reps):
-                for cache_name in caches:
+            for cache_name in caches:  # untimed warm-up: first calls of each path (allocations, kernels, hooks)
+                _prefill_once(model, cache_name, ids[:, : min(context, 2 * chunk)], chunk)
+            for rep in range(reps):
+                for cache_name in caches[rep % len(caches):] + caches[: rep % len(caches)]:  # rotate who goes first
                     with meter.track(load[cache_name]):
                         seconds, peak, final, last = _prefill_once(model, cache_name, ids, chunk)
                     times[cache_name].append(seconds * 1e3)

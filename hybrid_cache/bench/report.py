@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .. import compare
 from .compiled import COMPILEABLE_CACHES
@@ -24,43 +25,50 @@ def _point_key(k: tuple) -> tuple:
     return tuple(x if x is not None else 0 for x in k)
 
 
+def _comparison_table(rows: dict[tuple, dict[str, Any]], caches: Sequence[str], point_header: str,
+                      point: Callable[[tuple], str], cell_header: Callable[[str], str], cell: Callable[[Any], str],
+                      metric: Callable[[Any], float], ratios: Sequence[tuple[str, str]]) -> str:
+    """One line per point: a cell per cache, the ratios of `metric` between pairs of caches, and ``!`` where any of the
+    point's rows was measured while other work competed for the CPUs (with a note under the table)."""
+    blank = " " * len(cell(None))
+    header = point_header + "".join(f" | {cell_header(c)}" for c in caches)
+    ratio_names = [(a, b) for a, b in ratios if a in caches and b in caches]
+    header += "".join(f" | {a + '/' + b:>12}" for a, b in ratio_names) + " | load"
+    lines = [header, "-" * len(header)]
+    busy = False
+    for key in sorted(rows, key=_point_key):
+        by_cache = rows[key]
+        line = point(key) + "".join(f" | {cell(by_cache[c]) if c in by_cache else blank}" for c in caches)
+        for a, b in ratio_names:
+            ra, rb = by_cache.get(a), by_cache.get(b)
+            line += f" | {_ratio(ra and metric(ra), rb and metric(rb)):>12}"
+        row_busy = any(r.competing_load for r in by_cache.values())
+        busy |= row_busy
+        lines.append(line + f" | {BUSY_MARK if row_busy else ''}")
+    if busy:
+        lines.append(BUSY_NOTE)
+    return "\n".join(lines)
+
+
 def format_table(results: Sequence[BenchResult], caches: Sequence[str]) -> str:
     """One row per (model, window, dtype, context, batch); per cache ms/token median/min, cache ms/step, KV MiB, copy
     MiB; ring/static and ring/dynamic ratios of the medians; ``!`` where other work competed for the CPUs."""
     rows: dict[tuple, dict[str, BenchResult]] = {}
     for r in results:
         rows.setdefault((r.model, r.window, r.dtype, r.context, r.batch), {})[r.cache] = r
-    header = f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'B':>3}"
-    for c in caches:
-        header += f" | {c + ' ms/tok med/min':>22}{'cache ms':>9}{'KV MiB':>9}{'copy MiB':>9}"
-    ratio_names = [(a, b) for a, b in (("ring", "static"), ("ring", "dynamic")) if a in caches and b in caches]
-    for a, b in ratio_names:
-        header += f" | {a + '/' + b:>12}"
-    header += " | load"
-    lines = [header, "-" * len(header)]
-    busy = False
-    for key in sorted(rows, key=_point_key):
-        model, window, dtype, context, batch = key
-        line = f"{model:<8}{window or 0:>5} {dtype:<9}{context:>6}{batch:>3}"
-        by_cache = rows[key]
-        for c in caches:
-            r = by_cache.get(c)
-            if r is None:
-                line += f" | {'-':>22}{'-':>9}{'-':>9}{'-':>9}"
-            else:
-                cache_ms = f"{r.cache_ms_per_step_median:>9.3f}" if r.cache_ms_per_step_median is not None else f"{'-':>9}"
-                line += (f" | {r.ms_per_token_median:>13.2f} / {r.ms_per_token_min:>6.2f}{cache_ms}"
-                         f"{r.kv_bytes / 2**20:>9.1f}{r.copy_bytes_per_step / 2**20:>9.3f}")
-        for a, b in ratio_names:
-            ra, rb = by_cache.get(a), by_cache.get(b)
-            line += f" | {_ratio(ra and ra.ms_per_token_median, rb and rb.ms_per_token_median):>12}"
-        row_busy = any(r.competing_load for r in by_cache.values())
-        busy |= row_busy
-        line += f" | {BUSY_MARK if row_busy else ''}"
-        lines.append(line)
-    if busy:
-        lines.append(BUSY_NOTE)
-    return "\n".join(lines)
+
+    def cell(r: BenchResult | None) -> str:
+        if r is None:
+            return f"{'-':>22}{'-':>9}{'-':>9}{'-':>9}"
+        cache_ms = f"{r.cache_ms_per_step_median:>9.3f}" if r.cache_ms_per_step_median is not None else f"{'-':>9}"
+        return (f"{r.ms_per_token_median:>13.2f} / {r.ms_per_token_min:>6.2f}{cache_ms}"
+                f"{r.kv_bytes / 2**20:>9.1f}{r.copy_bytes_per_step / 2**20:>9.3f}")
+
+    return _comparison_table(
+        rows, caches, f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'B':>3}",
+        lambda k: f"{k[0]:<8}{k[1] or 0:>5} {k[2]:<9}{k[3]:>6}{k[4]:>3}",
+        lambda c: f"{c + ' ms/tok med/min':>22}{'cache ms':>9}{'KV MiB':>9}{'copy MiB':>9}", cell,
+        lambda r: r.ms_per_token_median, (("ring", "static"), ("ring", "dynamic")))
 
 
 def format_memory_table(results: Sequence[BenchResult], caches: Sequence[str]) -> str:
@@ -152,36 +160,17 @@ def format_prefill_table(results: Sequence[PrefillResult], caches: Sequence[str]
     rows: dict[tuple, dict[str, PrefillResult]] = {}
     for r in results:
         rows.setdefault((r.model, r.window, r.dtype, r.context, r.chunk), {})[r.cache] = r
-    header = f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'chunk':>6}"
-    for c in caches:
-        header += f" | {c + ' s med/min':>19}{'peak KV MiB':>12}"
-    ratio_names = [(a, b) for a, b in (("ring", "dynamic"), ("ring", "static")) if a in caches and b in caches]
-    for a, b in ratio_names:
-        header += f" | {a + '/' + b:>12}"
-    header += " | load"
-    lines = [header, "-" * len(header)]
-    busy = False
-    for key in sorted(rows, key=_point_key):
-        model, window, dtype, context, chunk = key
-        by_cache = rows[key]
-        line = f"{model:<8}{window or 0:>5} {dtype:<9}{context:>6}{chunk:>6}"
-        for c in caches:
-            r = by_cache.get(c)
-            if r is None:
-                line += f" | {'-':>19}{'-':>12}"
-            else:
-                line += (f" | {r.prefill_ms_median / 1e3:>10.2f} / {r.prefill_ms_min / 1e3:>6.2f}"
-                         f"{r.peak_kv_bytes / 2**20:>12.1f}")
-        for a, b in ratio_names:
-            ra, rb = by_cache.get(a), by_cache.get(b)
-            line += f" | {_ratio(ra and ra.prefill_ms_median, rb and rb.prefill_ms_median):>12}"
-        row_busy = any(r.competing_load for r in by_cache.values())
-        busy |= row_busy
-        line += f" | {BUSY_MARK if row_busy else ''}"
-        lines.append(line)
-    if busy:
-        lines.append(BUSY_NOTE)
-    return "\n".join(lines)
+
+    def cell(r: PrefillResult | None) -> str:
+        if r is None:
+            return f"{'-':>19}{'-':>12}"
+        return f"{r.prefill_ms_median / 1e3:>10.2f} / {r.prefill_ms_min / 1e3:>6.2f}{r.peak_kv_bytes / 2**20:>12.1f}"
+
+    return _comparison_table(
+        rows, caches, f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'chunk':>6}",
+        lambda k: f"{k[0]:<8}{k[1] or 0:>5} {k[2]:<9}{k[3]:>6}{k[4]:>6}",
+        lambda c: f"{c + ' s med/min':>19}{'peak KV MiB':>12}", cell,
+        lambda r: r.prefill_ms_median, (("ring", "dynamic"), ("ring", "static")))
 
 
 def plot_results(results: Sequence[BenchResult], path: str) -> None:
