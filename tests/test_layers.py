@@ -90,14 +90,15 @@ class TestRingContents:
         assert held(layer) == [12, 13, 14, 11]
 
     def test_ring_grows_up_to_window_then_wraps(self):
-        """W=8: prefill 2 -> 2 slots; decode grows the (time-ordered) buffer to 3, 4, 5, 7, 8 slots, never more."""
+        """W=8: prefill 2 -> 2 slots; decode grows the (time-ordered) buffer one slot at a time (a small buffer: 65/64
+        of it rounds down to itself) up to 8 slots, never more."""
         layer = RingSlidingLayer(8)
         step(layer, 0, 2)
         capacities = []
         for position in range(2, 12):
             step(layer, position, 1)
             capacities.append(layer.capacity)
-        assert capacities == [3, 4, 5, 7, 7, 8, 8, 8, 8, 8]
+        assert capacities == [3, 4, 5, 6, 7, 8, 8, 8, 8, 8]
         assert held(layer) == [8, 9, 10, 11, 4, 5, 6, 7]
 
     def test_chunk_wraps_a_small_ring(self):
@@ -274,8 +275,9 @@ class TestRollback:
                     assert layer.capacity == window + margin
 
 class TestFullLayers:
-    def test_growable_appends_and_doubles(self):
-        """Prefill 8 -> capacity 8; decode 8 tokens -> capacity grows by 1.25: 10, 13, 17; content in time order."""
+    def test_growable_appends_and_grows_by_a_64th(self):
+        """Prefill 8 -> capacity 8; decode 8 tokens -> one slot at a time while 8 * 65 / 64 < 9 (copying <= 64 tokens);
+        content in time order."""
         layer = GrowableFullLayer()
         keys, _ = layer.update(*kv(0, 8))
         assert as_list(keys) == list(range(8)) and layer.capacity == 8
@@ -284,8 +286,27 @@ class TestFullLayers:
             keys, _ = layer.update(*kv(position, 1))
             capacities.append(layer.capacity)
         assert as_list(keys) == list(range(16))
-        assert capacities == [10, 10, 13, 13, 13, 17, 17, 17]
-        assert layer.capacity <= 1.25 * layer.get_seq_length() + 1
+        assert capacities == list(range(9, 17))
+
+    @pytest.mark.parametrize("prompt", [1, 63, 64, 640, 1000])
+    def test_growable_slack_and_amortized_copies(self, prompt):
+        """Decoding 3 x prompt tokens (at least 300): at every step capacity <= floor(tokens * 65 / 64) (the whole
+        slack is 1/64 of the tokens, so a cache stays within 2% of a StaticCache holding the same tokens), and the
+        tokens copied by all growths together are a constant per appended token (amortized O(1)): a growth from C
+        slots copies C tokens and makes room for floor(C / 64), so at most 128 per token from 64 slots on (-> 64 for
+        large buffers: <= 70 from 640 slots on), plus the one-slot-at-a-time growths below 64 (1 + 2 + ... + 64)."""
+        layer = GrowableFullLayer()
+        layer.update(*kv(0, prompt))
+        copied, storage = 0, layer.keys.data_ptr()
+        steps = max(300, 3 * prompt)
+        for position in range(prompt, prompt + steps):
+            keys, _ = layer.update(*kv(position, 1))
+            tokens = position + 1
+            assert tokens <= layer.capacity <= max(tokens, tokens * 65 // 64)
+            if layer.keys.data_ptr() != storage:  # grew: the held prefix was copied
+                copied, storage = copied + position, layer.keys.data_ptr()
+        assert as_list(keys) == list(range(prompt + steps))
+        assert copied <= (70 if prompt >= 640 else 128) * steps + 64 * 65 // 2
 
     def test_growable_chunks_leave_no_slack(self):
         """Multi-token steps (prompt, prefill chunks) grow to exactly the tokens held: 5 -> 8 -> 12 -> 13 (decode)."""
@@ -296,14 +317,16 @@ class TestFullLayers:
             capacities.append(layer.capacity)
         assert capacities == [5, 8, 12]
         keys, _ = layer.update(*kv(12, 1))
-        assert layer.capacity == 15 and as_list(keys) == list(range(13))
+        assert layer.capacity == 13 and as_list(keys) == list(range(13))
 
     def test_growable_decode_writes_in_place(self):
+        """Prefill 640; the first decode step grows to 640 * 65 / 64 = 650 slots; the next 9 tokens are written in place."""
         layer = GrowableFullLayer()
-        layer.update(*kv(0, 16))
-        layer.update(*kv(16, 1))  # grows to 20
+        layer.update(*kv(0, 640))
+        layer.update(*kv(640, 1))
+        assert layer.capacity == 650
         storage = layer.keys.data_ptr()
-        for position in range(17, 20):
+        for position in range(641, 650):
             layer.update(*kv(position, 1))
         assert layer.keys.data_ptr() == storage
 
