@@ -45,7 +45,8 @@ def test_install_blocker_detects_pep668_marker_outside_a_venv(tmp_path, monkeypa
     assert check.install_blocker() == "externally-managed"
     monkeypatch.setattr(sys, "prefix", "/home/me/.venv")
     assert check.install_blocker() is None  # a venv: pip is importable here
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pip" else find_spec(name, *a))
     assert check.install_blocker() == "no-pip"
 
 
