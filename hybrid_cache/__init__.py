@@ -9,6 +9,8 @@ from .layers import (
     StaticFullLayer,
     StaticRingSlidingLayer,
 )
+from .quantized import QUANTIZATION_MODES, KVQuantizer, QuantizedFullLayer, StaticQuantizedFullLayer
+from .streaming import SinkWindowFullLayer
 from .mask_hook import (
     RingLayout,
     UnsupportedAttentionError,
@@ -21,11 +23,16 @@ __all__ = [
     "CacheCapacityError",
     "GrowableFullLayer",
     "HybridRingCache",
+    "KVQuantizer",
     "MemoryReport",
+    "QUANTIZATION_MODES",
+    "QuantizedFullLayer",
     "RingLayout",
     "RingSlidingLayer",
     "RollbackError",
+    "SinkWindowFullLayer",
     "StaticFullLayer",
+    "StaticQuantizedFullLayer",
     "StaticRingSlidingLayer",
     "UnsupportedAttentionError",
     "install_mask_hook",

@@ -13,6 +13,8 @@ from transformers.utils import is_torchdynamo_compiling
 
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
 from .mask_hook import DenseMaskRequest, RingLayout, check_ring_attention_supported, install_mask_hook
+from .quantized import QUANTIZATION_MODES, DequantWorkspace, QuantizedFullLayer, StaticQuantizedFullLayer
+from .streaming import SinkWindowFullLayer
 
 __all__ = ["HybridRingCache", "MemoryReport"]
 
@@ -35,6 +37,8 @@ class MemoryReport:
         layers_by_type: number of layers of each type.
         slots_by_type: allocated token slots per layer of each type (capacity).
         per_layer: `(layer_type, bytes)` for every layer.
+        workspace_bytes: model-dtype buffers that compressed full layers dequantize their history into (shared by
+            those layers, one layer's keys and values; not part of `total_bytes`; 0 without compression).
     """
 
     tokens: int
@@ -44,6 +48,7 @@ class MemoryReport:
     layers_by_type: dict[str, int] = field(default_factory=dict)
     slots_by_type: dict[str, list[int]] = field(default_factory=dict)
     per_layer: list[tuple[str, int]] = field(default_factory=list)
+    workspace_bytes: int = 0
 
     @property
     def saving(self) -> float:
@@ -61,6 +66,8 @@ class MemoryReport:
             f"  full cache of every storing layer: {self.full_cache_bytes / 2**20:.3f} MiB "
             f"(held: {100 * (1 - self.saving):.1f}%, saved: {100 * self.saving:.1f}%)"
         )
+        if self.workspace_bytes:
+            lines.append(f"  + dequantization workspace (shared, transient use): {self.workspace_bytes / 2**20:.3f} MiB")
         return "\n".join(lines)
 
 
@@ -129,6 +136,18 @@ class HybridRingCache(Cache):
             without one. Default (`None`): on CPU for grouped-query layers, where transformers' mask-less path
             (`enable_gqa`) is several times slower than its masked, packed path; never on accelerators, whose
             mask-less kernels are the fast ones. Results are the same either way (same mask semantics).
+        full_layer_quantization (`str`, *optional*): store the full-attention layers compressed: `"int8"`, `"int4"`
+            or `"fp8"` (per-token groups of `full_layer_group_size` channels, one scale each; see
+            `hybrid_cache.quantized` and docs/quantization.md). Approximate. Sliding rings stay exact in the model
+            dtype. Default `None`: exact storage.
+        full_layer_group_size (`int`, defaults to 64): channels per quantization scale.
+        full_layer_rotation (`bool`, defaults to False): Hadamard rotation within each group before quantizing
+            (lower int4 error, slower decode).
+        full_layer_window (`int`, *optional*): bound every full-attention layer to `full_layer_sink_tokens` +
+            the last `full_layer_window` tokens (StreamingLLM-style, keys at their absolute positions; approximate;
+            see `hybrid_cache.streaming`). The whole cache then has a fixed size. Default `None`: unbounded.
+        full_layer_sink_tokens (`int`, defaults to 4 with `full_layer_window`): first tokens the bounded full
+            layers keep forever.
 
     Example:
 
@@ -147,14 +166,24 @@ class HybridRingCache(Cache):
         rollback_margin: int = 0,
         initial_capacity: int = 0,
         dense_decode_mask: bool | None = None,
+        full_layer_quantization: str | None = None,
+        full_layer_group_size: int = 64,
+        full_layer_rotation: bool = False,
+        full_layer_window: int | None = None,
+        full_layer_sink_tokens: int | None = None,
     ) -> None:
         if not isinstance(config, PreTrainedConfig):
             raise TypeError(
                 f"HybridRingCache expects the model's config (a transformers PreTrainedConfig), got "
                 f"{type(config).__name__}. Pass `model.config`."
             )
+        _check_full_layer_options(
+            full_layer_quantization, full_layer_rotation, full_layer_window, full_layer_sink_tokens, max_cache_len
+        )
         self.config = config.get_text_config(decoder=True)
         self.max_cache_len = max_cache_len
+        self.full_layer_quantization = full_layer_quantization
+        self._workspace = DequantWorkspace()
         self.dense_decode_mask = dense_decode_mask
         query_heads = self._per_layer_attribute("num_attention_heads", 1)
         kv_heads = self._per_layer_attribute("num_key_value_heads", None)
@@ -168,6 +197,18 @@ class HybridRingCache(Cache):
                 layers.append(ring_class(window, rollback_margin=rollback_margin))
             elif kind == SHARED:
                 layers.append(DummyLayer())
+            elif full_layer_window is not None:
+                sinks = 4 if full_layer_sink_tokens is None else full_layer_sink_tokens
+                layers.append(SinkWindowFullLayer(sinks, full_layer_window, rollback_margin))
+            elif full_layer_quantization is not None and max_cache_len is not None:
+                layers.append(StaticQuantizedFullLayer(
+                    max_cache_len, full_layer_quantization, self._workspace, full_layer_group_size, full_layer_rotation
+                ))
+            elif full_layer_quantization is not None:
+                layers.append(QuantizedFullLayer(
+                    full_layer_quantization, self._workspace, full_layer_group_size, full_layer_rotation,
+                    initial_capacity,
+                ))
             elif max_cache_len is not None:
                 layers.append(StaticFullLayer(max_cache_len))
             else:
@@ -193,13 +234,13 @@ class HybridRingCache(Cache):
             )
         if (
             not is_torchdynamo_compiling()  # the checks read Python counters; compiled steps were checked eagerly
-            and isinstance(layer, RingSlidingLayer)
+            and isinstance(layer, (RingSlidingLayer, SinkWindowFullLayer))
             and layer.needs_ring_layout(key_states.shape[-2])
         ):
             self._check_ring_mask_was_built(layer, key_states.shape[-2])
         return layer.update(key_states, value_states, *args, **kwargs)
 
-    def _check_ring_mask_was_built(self, layer: RingSlidingLayer, query_length: int) -> None:
+    def _check_ring_mask_was_built(self, layer: RingSlidingLayer | SinkWindowFullLayer, query_length: int) -> None:
         """A wrapped ring is only exact if this step's mask came from `get_mask_sizes` through the hook."""
         check_ring_attention_supported(getattr(self.config, "_attn_implementation", None))
         if self._ring_mask_request != (layer.cumulative_length, query_length):
@@ -260,7 +301,7 @@ class HybridRingCache(Cache):
     def memory_report(self) -> MemoryReport:
         """Bytes held per layer type and in total, against a full cache of every storing layer for the same tokens."""
         tokens = int(self.get_seq_length())
-        report = MemoryReport(tokens=tokens, total_bytes=0, full_cache_bytes=0)
+        report = MemoryReport(tokens=tokens, total_bytes=0, full_cache_bytes=0, workspace_bytes=self._workspace.nbytes())
         for kind, layer in zip(self.layer_kinds, self.layers):
             held = layer.nbytes() if hasattr(layer, "nbytes") else 0
             report.per_layer.append((kind, held))
@@ -268,7 +309,37 @@ class HybridRingCache(Cache):
             report.bytes_by_type[kind] = report.bytes_by_type.get(kind, 0) + held
             report.layers_by_type[kind] = report.layers_by_type.get(kind, 0) + 1
             report.slots_by_type.setdefault(kind, []).append(getattr(layer, "capacity", 0))
-            if getattr(layer, "is_initialized", False) and layer.keys is not None:
+            if isinstance(layer, QuantizedFullLayer) and layer.is_initialized:
+                report.full_cache_bytes += layer.uncompressed_bytes_per_token() * tokens
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None and hasattr(layer, "batch_size"):
                 per_token = layer.batch_size * layer.num_heads * (layer.k_head_dim + layer.v_head_dim)
                 report.full_cache_bytes += per_token * layer.keys.element_size() * tokens
         return report
+
+
+def _check_full_layer_options(
+    quantization: str | None, rotation: bool, window: int | None, sink_tokens: int | None, max_cache_len: int | None
+) -> None:
+    """Refuse unknown or unsupported full-layer storage options before anything is built."""
+    if quantization is not None and quantization not in QUANTIZATION_MODES:
+        raise ValueError(
+            f"Unknown full_layer_quantization {quantization!r}; choose one of {QUANTIZATION_MODES}, or None for exact "
+            f"full-attention layers."
+        )
+    if rotation and quantization is None:
+        raise ValueError("full_layer_rotation=True needs full_layer_quantization ('int8', 'int4' or 'fp8').")
+    if sink_tokens is not None and window is None:
+        raise ValueError(
+            "full_layer_sink_tokens bounds the full-attention layers only together with full_layer_window (the recent "
+            "tokens kept): pass both, e.g. full_layer_sink_tokens=4, full_layer_window=1024."
+        )
+    if window is not None and quantization is not None:
+        raise ValueError(
+            "Bounded full layers (full_layer_window) and full_layer_quantization cannot be combined yet: the bounded "
+            "layers are already a fixed size. Use one of the two."
+        )
+    if window is not None and max_cache_len is not None:
+        raise ValueError(
+            "Bounded full layers (full_layer_window) have no compileable variant: drop max_cache_len (the bounded "
+            "cache already has a fixed size) or drop full_layer_window to compile."
+        )
