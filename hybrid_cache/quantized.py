@@ -37,10 +37,9 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 from transformers.utils import is_torchdynamo_compiling
 
-from .layers import GROWTH_FACTOR, CacheCapacityError, _check_shapes, _mark_static, _same_layout, _tensor_counter
+from .layers import GROWTH_FACTOR, CacheCapacityError, _mark_static, _StorageLayer, _tensor_counter
 
 __all__ = [
     "QUANTIZATION_MODES",
@@ -217,7 +216,7 @@ class DequantWorkspace:
         self._buffers.clear()
 
 
-class QuantizedFullLayer(CacheLayerMixin):
+class QuantizedFullLayer(_StorageLayer):
     """A full-attention layer storing keys and values compressed (int8 / int4 / fp8, per-token group scales).
 
     Growth and returned layout are those of `GrowableFullLayer`: time-ordered, the standard causal mask applies;
@@ -237,7 +236,6 @@ class QuantizedFullLayer(CacheLayerMixin):
     """
 
     is_sliding = False
-    is_croppable = True
 
     def __init__(
         self,
@@ -253,7 +251,6 @@ class QuantizedFullLayer(CacheLayerMixin):
         self.mode, self.group_size, self.rotate = mode, group_size, rotate
         self.workspace = workspace
         self.initial_capacity = int(initial_capacity)
-        self.cumulative_length = 0
         self._codes: dict[str, torch.Tensor] = {}
         self._scales: dict[str, torch.Tensor] = {}
 
@@ -279,12 +276,6 @@ class QuantizedFullLayer(CacheLayerMixin):
             )
         self.is_initialized = True
 
-    def _prepare(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if not self.is_initialized or (self.get_seq_length() == 0 and not _same_layout(self, key_states, value_states)):
-            self.lazy_initialization(key_states, value_states)
-        else:
-            _check_shapes(self, key_states, value_states)
-
     @property
     def capacity(self) -> int:
         """Token slots currently allocated (0 before the first update)."""
@@ -308,7 +299,7 @@ class QuantizedFullLayer(CacheLayerMixin):
             for role in store:
                 store[role] = function(store[role])
 
-    def _grow(self, needed: int, query_length: int) -> None:
+    def _grow(self, needed: int, query_length: int, limit: int | None = None) -> None:
         if needed <= self.capacity:
             return
         capacity = needed if query_length > 1 else max(needed, math.ceil(self.capacity * GROWTH_FACTOR))
@@ -359,22 +350,8 @@ class QuantizedFullLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
 
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
     def get_max_length(self) -> int:
         return -1
-
-    def reset(self) -> None:
-        """Forget all tokens; keep the allocation (a new batch size / dtype / device reallocates)."""
-        self.cumulative_length = 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Tokens are quantized independently: a rollback only moves the length (negative: tokens to remove;
-        positive, legacy: the length to keep)."""
-        if tokens_to_remove > 0:
-            tokens_to_remove = tokens_to_remove - self.cumulative_length
-        self.cumulative_length = max(0, self.cumulative_length + min(tokens_to_remove, 0))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # Codes and scales move together: a beam reorder is lossless (no dequantize / requantize round trip).

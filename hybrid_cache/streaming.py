@@ -24,9 +24,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
-
-from .layers import RollbackError, _check_shapes, _same_layout
+from .layers import RollbackError, _StorageLayer
 from .mask_hook import RingLayout
 
 __all__ = ["SinkWindowFullLayer"]
@@ -41,7 +39,7 @@ class _StepUndo(NamedTuple):
     new_values: torch.Tensor
 
 
-class SinkWindowFullLayer(CacheLayerMixin):
+class SinkWindowFullLayer(_StorageLayer):
     """A full-attention layer bounded to `sink_tokens` + `window` tokens (approximate; see the module docstring).
 
     Args:
@@ -55,7 +53,6 @@ class SinkWindowFullLayer(CacheLayerMixin):
     """
 
     is_sliding = False
-    is_croppable = True
 
     def __init__(self, sink_tokens: int, window: int, rollback_margin: int = 0) -> None:
         super().__init__()
@@ -65,7 +62,6 @@ class SinkWindowFullLayer(CacheLayerMixin):
                 f">= 0; got {sink_tokens}, {window}, {rollback_margin}."
             )
         self.sink_tokens, self.window, self.rollback_margin = int(sink_tokens), int(window), int(rollback_margin)
-        self.cumulative_length = 0
         self._oldest = 0  # lowest position >= sink_tokens still held by the ring part
         self.record_past = False
         self._undo: _StepUndo | None = None
@@ -80,26 +76,8 @@ class SinkWindowFullLayer(CacheLayerMixin):
 
     # --- allocation -----------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.batch_size, self.num_heads = key_states.shape[:2]
-        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
-        self.keys = key_states.new_zeros((self.batch_size, self.num_heads, self.max_slots, self.k_head_dim))
-        self.values = value_states.new_zeros((self.batch_size, self.num_heads, self.max_slots, self.v_head_dim))
+        self._allocate(key_states, value_states, self.max_slots)
         self._slot_ids = torch.arange(self.ring_slots, device=self.device)
-        self.is_initialized = True
-
-    def _prepare(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if not self.is_initialized or (self.cumulative_length == 0 and not _same_layout(self, key_states, value_states)):
-            self.lazy_initialization(key_states, value_states)
-        else:
-            _check_shapes(self, key_states, value_states)
-
-    @property
-    def capacity(self) -> int:
-        return self.max_slots if self.is_initialized else 0
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values)) if self.is_initialized else 0
 
     def activate_past_recording(self) -> None:
         """Keep the last multi-token step undoable by `crop` (assisted / prompt-lookup decoding)."""
@@ -202,14 +180,11 @@ class SinkWindowFullLayer(CacheLayerMixin):
         self._oldest = max(self._oldest, self.cumulative_length - self.ring_slots)
 
     # --- protocol -------------------------------------------------------------------------------------------------
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
     def get_max_length(self) -> int:
         return self.max_slots
 
     def reset(self) -> None:
-        self.cumulative_length = 0
+        super().reset()
         self._oldest = 0
         self.record_past = False
         self._undo = None
@@ -250,22 +225,13 @@ class SinkWindowFullLayer(CacheLayerMixin):
         )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            beam_idx = beam_idx.to(self.device)
-            self.keys = self.keys.index_select(0, beam_idx)
-            self.values = self.values.index_select(0, beam_idx)
-        self._undo = None
+        super().reorder_cache(beam_idx)
+        self._undo = None  # saved in the old batch order: a later rollback must not restore it
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self.keys = self.keys.repeat_interleave(repeats, dim=0)
-            self.values = self.values.repeat_interleave(repeats, dim=0)
-            self.batch_size = self.keys.shape[0]
+        super().batch_repeat_interleave(repeats)
         self._undo = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.keys = self.keys[indices, ...]
-            self.values = self.values[indices, ...]
-            self.batch_size = self.keys.shape[0]
+        super().batch_select_indices(indices)
         self._undo = None

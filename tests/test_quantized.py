@@ -36,12 +36,7 @@ MODES = ("int8", "int4", "fp8")
 WINDOW = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # --- 1. the codec ----------------------------------------------------------------------------------------------------

@@ -19,12 +19,7 @@ from hybrid_cache import HybridRingCache, RollbackError, SinkWindowFullLayer
 WINDOW = 6  # sliding window of the tiny models
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @functools.cache
