@@ -14,6 +14,7 @@ from .cache import HybridRingCache
 
 __all__ = [
     "CACHE_NAMES",
+    "EXACT_CACHE_NAMES",
     "full_cache_bytes_per_token",
     "kv_bytes_held",
     "layer_kv_geometry",
@@ -31,6 +32,8 @@ __all__ = [
 QUANTIZED_CACHES = {"ring-int8": "int8", "ring-int4": "int4", "ring-fp8": "fp8", "ring-int4-rot": "int4"}
 STREAM_SINK_TOKENS, STREAM_WINDOW = 4, 2044
 CACHE_NAMES = ("ring", "dynamic", "static", *QUANTIZED_CACHES, "ring-stream", "ring-hf-fp8")
+# The caches whose results must equal a no-cache forward (the others are approximate by design).
+EXACT_CACHE_NAMES = ("ring", "dynamic", "static")
 
 
 def text_config(model_or_config: Any) -> Any:
