@@ -28,8 +28,9 @@ for 16384 x 8 x 256 bf16 on this CPU).
 Optional rotation (`rotate=True`): a normalized Sylvester-Hadamard matrix over each group, applied before quantizing
 and undone after dequantizing. It spreads a group's outlier channels over all its channels (the idea of llama.cpp's
 rotated KV cache, there applied to queries and keys inside the attention; here undone in the cache, because the
-cache does not see the queries). It halves int4 key error on Gemma 3 (measured in docs/quantization.md) but costs a
-`[group x group]` matmul over the whole history per step.
+cache does not see the queries). On Gemma 3 it lowers int4's RMS key error by a third but not the end-to-end KL
+divergence (docs/quantization.md), and costs a `[group x group]` matmul over the whole history per step: off by
+default.
 """
 
 from __future__ import annotations
