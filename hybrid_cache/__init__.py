@@ -11,6 +11,8 @@ from .layers import (
     StaticFullLayer,
     StaticRingSlidingLayer,
 )
+from .quantized import QUANTIZATION_MODES, KVQuantizer, QuantizedFullLayer, StaticQuantizedFullLayer
+from .streaming import SinkWindowFullLayer
 from .mask_hook import (
     RingLayout,
     UnsupportedAttentionError,
@@ -26,11 +28,16 @@ __all__ = [
     "CacheCheckpoint",
     "GrowableFullLayer",
     "HybridRingCache",
+    "KVQuantizer",
     "MemoryReport",
+    "QUANTIZATION_MODES",
+    "QuantizedFullLayer",
     "RingLayout",
     "RingSlidingLayer",
     "RollbackError",
+    "SinkWindowFullLayer",
     "StaticFullLayer",
+    "StaticQuantizedFullLayer",
     "StaticRingSlidingLayer",
     "UnsupportedAttentionError",
     "WindowMismatchError",

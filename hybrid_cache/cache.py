@@ -24,10 +24,14 @@ from .mask_hook import (
     is_mask_hook_installed,
 )
 from .snapshot import CacheCheckpoint, load_cache, restore_checkpoint, save_cache, take_checkpoint
+from .quantized import QUANTIZATION_MODES, DequantWorkspace, QuantizedFullLayer, StaticQuantizedFullLayer
+from .streaming import SinkWindowFullLayer
 
 __all__ = ["HybridRingCache", "MemoryReport"]
 
 SLIDING, FULL, SHARED = "sliding_attention", "full_attention", "shared"
+# Storage whose one-token steps return keys out of time order once wrapped, described to the mask by a `RingLayout`.
+_RING_LAYERS = (RingSlidingLayer, SinkWindowFullLayer)
 # Layers another pipeline stage runs (`stage_layers`): a `DummyLayer` here, like KV-shared layers.
 OTHER_STAGE = "other_stage"
 # Layer types whose cache behaves as a sliding window (transformers maps chunked attention to the same cache class,
@@ -46,11 +50,15 @@ class MemoryReport:
         full_cache_bytes: bytes a full (non-sliding) cache of every storing layer would hold for `tokens` tokens.
         kv_bytes: bytes of key/value storage actually allocated (every layer).
         extra_bytes: everything else the cache keeps alive: the window kept to undo the last speculative step (while
-            past recording is on, see `HybridRingCache.deactivate_past_recording`) and the fixed mode's counters.
+            past recording is on, see `HybridRingCache.deactivate_past_recording`), the fixed mode's counters, and
+            `workspace_bytes`.
         bytes_by_type: allocated key/value bytes per layer type (`sliding_attention`, `full_attention`, `shared`).
         layers_by_type: number of layers of each type.
         slots_by_type: allocated token slots per layer of each type (capacity).
         per_layer: `(layer_type, bytes)` for every layer.
+        workspace_bytes: model-dtype buffers that compressed full layers dequantize their history into (shared by
+            those layers, one layer's keys and values; part of `extra_bytes` and `total_bytes`; 0 without
+            compression).
     """
 
     tokens: int
@@ -62,6 +70,7 @@ class MemoryReport:
     layers_by_type: dict[str, int] = field(default_factory=dict)
     slots_by_type: dict[str, list[int]] = field(default_factory=dict)
     per_layer: list[tuple[str, int]] = field(default_factory=list)
+    workspace_bytes: int = 0
 
     @property
     def saving(self) -> float:
@@ -74,8 +83,11 @@ class MemoryReport:
             slots = sorted(set(self.slots_by_type.get(layer_type, []))) or [0]
             slot_text = "/".join(str(s) for s in slots)
             lines.append(f"  {layer_type:<18}{count:>7}{slot_text:>13}{self.bytes_by_type[layer_type] / 2**20:>11.3f}")
-        if self.extra_bytes:
-            lines.append(f"  {'rollback, counters':<18}{'':>7}{'':>13}{self.extra_bytes / 2**20:>11.3f}")
+        if self.workspace_bytes:
+            lines.append(f"  {'dequant. workspace':<18}{'':>7}{'':>13}{self.workspace_bytes / 2**20:>11.3f}")
+        if self.extra_bytes - self.workspace_bytes:
+            other = self.extra_bytes - self.workspace_bytes
+            lines.append(f"  {'rollback, counters':<18}{'':>7}{'':>13}{other / 2**20:>11.3f}")
         lines.append(f"  {'total':<18}{sum(self.layers_by_type.values()):>7}{'':>13}{self.total_bytes / 2**20:>11.3f}")
         lines.append(
             f"  full cache of every storing layer: {self.full_cache_bytes / 2**20:.3f} MiB "
@@ -153,6 +165,18 @@ class HybridRingCache(Cache):
             the others get no storage, and positions and mask sizes are answered from the layers held.
             `HybridRingCache.for_model(model)` reads them from the model. Required when `config` belongs to a model
             loaded with `DistributedConfig(pp_size > 1)`.
+        full_layer_quantization (`str`, *optional*): store the full-attention layers compressed: `"int8"`, `"int4"`
+            or `"fp8"` (per-token groups of `full_layer_group_size` channels, one scale each; see
+            `hybrid_cache.quantized` and docs/quantization.md). Approximate. Sliding rings stay exact in the model
+            dtype. Default `None`: exact storage.
+        full_layer_group_size (`int`, defaults to 64): channels per quantization scale.
+        full_layer_rotation (`bool`, defaults to False): Hadamard rotation within each group before quantizing
+            (lower int4 error, slower decode).
+        full_layer_window (`int`, *optional*): bound every full-attention layer to `full_layer_sink_tokens` +
+            the last `full_layer_window` tokens (StreamingLLM-style, keys at their absolute positions; approximate;
+            see `hybrid_cache.streaming`). The whole cache then has a fixed size. Default `None`: unbounded.
+        full_layer_sink_tokens (`int`, defaults to 4 with `full_layer_window`): first tokens the bounded full
+            layers keep forever.
 
     Example:
 
@@ -172,12 +196,20 @@ class HybridRingCache(Cache):
         initial_capacity: int = 0,
         dense_decode_mask: bool | None = None,
         stage_layers: Iterable[int] | None = None,
+        full_layer_quantization: str | None = None,
+        full_layer_group_size: int = 64,
+        full_layer_rotation: bool = False,
+        full_layer_window: int | None = None,
+        full_layer_sink_tokens: int | None = None,
     ) -> None:
         if not isinstance(config, PreTrainedConfig):
             raise TypeError(
                 f"HybridRingCache expects the model's config (a transformers PreTrainedConfig), got "
                 f"{type(config).__name__}. Pass `model.config`."
             )
+        _check_full_layer_options(
+            full_layer_quantization, full_layer_rotation, full_layer_window, full_layer_sink_tokens, max_cache_len
+        )
         self.config = config.get_text_config(decoder=True)
         self.tp_size, pp_size = parallel_sizes(config)
         if stage_layers is None and pp_size > 1:
@@ -188,6 +220,8 @@ class HybridRingCache(Cache):
             )
         held = None if stage_layers is None else set(check_stage_layers(self.config, stage_layers))
         self.max_cache_len = max_cache_len
+        self.full_layer_quantization = full_layer_quantization
+        self._workspace = DequantWorkspace()
         self.dense_decode_mask = dense_decode_mask
         query_heads = self._per_layer_attribute("num_attention_heads", 1)
         kv_heads = self._per_layer_attribute("num_key_value_heads", None)
@@ -203,16 +237,29 @@ class HybridRingCache(Cache):
                 layers.append(ring_class(window, rollback_margin=rollback_margin))
             elif kind in (SHARED, OTHER_STAGE):
                 layers.append(DummyLayer())
+            elif full_layer_window is not None:
+                sinks = 4 if full_layer_sink_tokens is None else full_layer_sink_tokens
+                layers.append(SinkWindowFullLayer(sinks, full_layer_window, rollback_margin))
+            elif full_layer_quantization is not None and max_cache_len is not None:
+                layers.append(StaticQuantizedFullLayer(
+                    max_cache_len, full_layer_quantization, self._workspace, full_layer_group_size, full_layer_rotation
+                ))
+            elif full_layer_quantization is not None:
+                layers.append(QuantizedFullLayer(
+                    full_layer_quantization, self._workspace, full_layer_group_size, full_layer_rotation,
+                    initial_capacity,
+                ))
             elif max_cache_len is not None:
                 layers.append(StaticFullLayer(max_cache_len))
             else:
                 layers.append(GrowableFullLayer(initial_capacity))
         super().__init__(layers=layers)
         # The ring layout announced to the mask of the current step; the hook marks it served (see `update`).
-        self._issued_layout: RingLayout | None = None
+        self._issued_layouts: dict[int, RingLayout] = {}  # ring layouts announced for the step `_issued_step`
         self._issued_step: tuple[int, int] | None = None
         self._verified_step: tuple[int, int] | None = None  # the step whose served layout the first update checked
-        self._first_ring = next((i for i, layer in enumerate(layers) if isinstance(layer, RingSlidingLayer)), None)
+        # Layers whose one-token steps can return keys out of time order (sliding rings, bounded full layers).
+        self._first_ring = next((i for i, layer in enumerate(layers) if isinstance(layer, _RING_LAYERS)), None)
         install_mask_hook()
 
     def __setstate__(self, state: dict) -> None:
@@ -256,18 +303,18 @@ class HybridRingCache(Cache):
         `get_mask_sizes` announced. Checked before any layer of the step is written (also at a full layer that comes
         before the first ring), so a refused step leaves the cache as it was."""
         if self._first_ring is None or layer_idx > self._first_ring and not isinstance(
-            self.layers[layer_idx], RingSlidingLayer
+            self.layers[layer_idx], _RING_LAYERS
         ):
-            return  # full layers after the first ring: the first ring already checked this step
+            return  # time-ordered layers after the first ring: the first ring already checked this step
         ring = self.layers[layer_idx] if layer_idx >= self._first_ring else self.layers[self._first_ring]
-        if not isinstance(ring, RingSlidingLayer) or not ring.needs_ring_layout(query_length):
+        if not isinstance(ring, _RING_LAYERS) or not ring.needs_ring_layout(query_length):
             return
         step = (ring.cumulative_length, query_length)
         if self._verified_step == step:
             return  # a later layer of the step whose layout the first one verified
         check_ring_attention_supported(getattr(self.config, "_attn_implementation", None))
-        layout, self._issued_layout = self._issued_layout, None  # checked once; do not keep its tensor alive
-        if layout is None or not layout.served or self._issued_step != step:
+        layouts, self._issued_layouts = self._issued_layouts, {}  # checked once; do not keep their tensors alive
+        if not layouts or not all(layout.served for layout in layouts.values()) or self._issued_step != step:
             raise RuntimeError(
                 "HybridRingCache's sliding-window ring has wrapped, but no attention mask was built for its slot "
                 "layout in this forward pass (the model was given a prepared 4D attention mask, or its attention "
@@ -286,8 +333,12 @@ class HybridRingCache(Cache):
         if isinstance(kv_offset, RingLayout) and not is_torchdynamo_compiling():
             # Only a wrapped ring needs the hook: check now that it will be the one serving this mask.
             check_ring_attention_supported(getattr(self.config, "_attn_implementation", None))
-            self._issued_layout = kv_offset
-            self._issued_step = (self.layers[layer_idx].cumulative_length, query_length)
+            step = (self.layers[layer_idx].cumulative_length, query_length)
+            if step != self._issued_step:
+                self._issued_layouts, self._issued_step = {}, step
+            # The latest layout per layer asked: model code may size something from one request (Gemma's image-block
+            # padding) and build the mask from the next.
+            self._issued_layouts[layer_idx] = kv_offset
         return kv_length, kv_offset
 
     def key_positions(self, layer_idx: int) -> torch.Tensor:
@@ -324,7 +375,7 @@ class HybridRingCache(Cache):
 
     def _forget_step_layout(self) -> None:
         # After a crop or reset the same (length, query length) step can come again: it must get a new layout.
-        self._issued_layout = self._issued_step = self._verified_step = None
+        self._issued_layouts, self._issued_step, self._verified_step = {}, None, None
 
     def deactivate_past_recording(self) -> None:
         """Stop keeping the window of the last multi-token step for rollbacks, and release it.
@@ -419,7 +470,10 @@ class HybridRingCache(Cache):
         """Bytes held per layer type and in total (every tensor the cache keeps alive), against a full cache of every
         storing layer for the same tokens."""
         tokens = int(self.get_seq_length())
-        report = MemoryReport(tokens=tokens, total_bytes=0, full_cache_bytes=0)
+        workspace = self._workspace.nbytes()
+        report = MemoryReport(
+            tokens=tokens, total_bytes=workspace, full_cache_bytes=0, extra_bytes=workspace, workspace_bytes=workspace
+        )
         for kind, layer in zip(self.layer_kinds, self.layers):
             held = layer.nbytes() if hasattr(layer, "nbytes") else 0
             extra = layer.extra_nbytes() if hasattr(layer, "extra_nbytes") else 0
@@ -430,7 +484,9 @@ class HybridRingCache(Cache):
             report.bytes_by_type[kind] = report.bytes_by_type.get(kind, 0) + held
             report.layers_by_type[kind] = report.layers_by_type.get(kind, 0) + 1
             report.slots_by_type.setdefault(kind, []).append(getattr(layer, "capacity", 0))
-            if getattr(layer, "is_initialized", False) and layer.keys is not None:
+            if isinstance(layer, QuantizedFullLayer) and layer.is_initialized:
+                report.full_cache_bytes += layer.uncompressed_bytes_per_token() * tokens
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None and hasattr(layer, "batch_size"):
                 per_token = layer.batch_size * layer.num_heads * (layer.k_head_dim + layer.v_head_dim)
                 report.full_cache_bytes += per_token * layer.keys.element_size() * tokens
         return report
@@ -486,3 +542,31 @@ class HybridRingCache(Cache):
         """
         restore_checkpoint(self, checkpoint)
         self._forget_step_layout()  # a mask built before the restore describes another layout
+
+
+def _check_full_layer_options(
+    quantization: str | None, rotation: bool, window: int | None, sink_tokens: int | None, max_cache_len: int | None
+) -> None:
+    """Refuse unknown or unsupported full-layer storage options before anything is built."""
+    if quantization is not None and quantization not in QUANTIZATION_MODES:
+        raise ValueError(
+            f"Unknown full_layer_quantization {quantization!r}; choose one of {QUANTIZATION_MODES}, or None for exact "
+            f"full-attention layers."
+        )
+    if rotation and quantization is None:
+        raise ValueError("full_layer_rotation=True needs full_layer_quantization ('int8', 'int4' or 'fp8').")
+    if sink_tokens is not None and window is None:
+        raise ValueError(
+            "full_layer_sink_tokens bounds the full-attention layers only together with full_layer_window (the recent "
+            "tokens kept): pass both, e.g. full_layer_sink_tokens=4, full_layer_window=1024."
+        )
+    if window is not None and quantization is not None:
+        raise ValueError(
+            "Bounded full layers (full_layer_window) and full_layer_quantization cannot be combined yet: the bounded "
+            "layers are already a fixed size. Use one of the two."
+        )
+    if window is not None and max_cache_len is not None:
+        raise ValueError(
+            "Bounded full layers (full_layer_window) have no compileable variant: drop max_cache_len (the bounded "
+            "cache already has a fixed size) or drop full_layer_window to compile."
+        )

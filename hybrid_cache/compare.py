@@ -14,6 +14,7 @@ from .cache import HybridRingCache
 
 __all__ = [
     "CACHE_NAMES",
+    "EXACT_CACHE_NAMES",
     "full_cache_bytes_per_token",
     "kv_bytes_held",
     "layer_kv_geometry",
@@ -23,7 +24,16 @@ __all__ = [
 ]
 
 # `ring` = HybridRingCache(config); `dynamic` = DynamicCache(config=config); `static` = StaticCache(config, max_len).
-CACHE_NAMES = ("ring", "dynamic", "static")
+# `ring-<mode>`: the ring with compressed full-attention layers (`HybridRingCache(config,
+# full_layer_quantization=<mode>)`; `-rot` adds the Hadamard rotation). `ring-stream`: the ring with bounded full
+# layers (4 sinks + a 2044-token window: a 2048-token budget, so an 8192-token text streams through 4x its budget).
+# `ring-hf-fp8`: the alternative we did not pick, for side-by-side comparisons: the ring with transformers' own
+# `Fp8QuantizedLayer` as full layers (per-tensor scale frozen at the first update; not croppable, not compileable).
+QUANTIZED_CACHES = {"ring-int8": "int8", "ring-int4": "int4", "ring-fp8": "fp8", "ring-int4-rot": "int4"}
+STREAM_SINK_TOKENS, STREAM_WINDOW = 4, 2044
+CACHE_NAMES = ("ring", "dynamic", "static", *QUANTIZED_CACHES, "ring-stream", "ring-hf-fp8")
+# The caches whose results must equal a no-cache forward (the others are approximate by design).
+EXACT_CACHE_NAMES = ("ring", "dynamic", "static")
 
 
 def text_config(model_or_config: Any) -> Any:
@@ -42,13 +52,38 @@ def make_cache(name: str, model_or_config: Any, max_cache_len: int, *, compileab
             full-layer capacity (its fixed, compileable mode).
     """
     config = getattr(model_or_config, "config", model_or_config)
+    fixed = max_cache_len if compileable else None
     if name == "ring":
-        return HybridRingCache(config, max_cache_len=max_cache_len if compileable else None)
+        return HybridRingCache(config, max_cache_len=fixed)
+    if name in QUANTIZED_CACHES:
+        return HybridRingCache(config, max_cache_len=fixed, full_layer_quantization=QUANTIZED_CACHES[name],
+                               full_layer_rotation=name.endswith("-rot"))
+    if name == "ring-stream":
+        if compileable:
+            raise ValueError("ring-stream (bounded full layers) has no compileable mode; time it without --compile.")
+        return HybridRingCache(config, full_layer_sink_tokens=STREAM_SINK_TOKENS, full_layer_window=STREAM_WINDOW)
+    if name == "ring-hf-fp8":
+        return _ring_with_transformers_fp8(config, compileable)
     if name == "dynamic":
         return DynamicCache(config=config)
     if name == "static":
         return StaticCache(config=config, max_cache_len=max_cache_len)
     raise ValueError(f"unknown cache {name!r}; expected one of {', '.join(CACHE_NAMES)}")
+
+
+def _ring_with_transformers_fp8(config: Any, compileable: bool) -> HybridRingCache:
+    """The ring whose full layers are transformers' `Fp8QuantizedLayer` (the side-by-side alternative)."""
+    from transformers.cache_utils import Fp8QuantizedLayer
+
+    from .layers import GrowableFullLayer
+
+    if compileable:
+        raise ValueError("ring-hf-fp8 (transformers' Fp8QuantizedLayer) is not compileable; time it without --compile.")
+    cache = HybridRingCache(config)
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, GrowableFullLayer):
+            cache.layers[index] = Fp8QuantizedLayer()
+    return cache
 
 
 def layer_kv_geometry(model_or_config: Any) -> list[tuple[int, int] | None]:
@@ -84,7 +119,13 @@ def kv_bytes_held(cache: Any) -> int:
     seen: set[int] = set()
     total = 0
     for layer in getattr(cache, "layers", []):
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        if hasattr(layer, "storage_tensors"):  # hybrid_cache's compressed layers: codes and scales
+            tensors += layer.storage_tensors()
+        for quantized in (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)):
+            if isinstance(quantized, tuple):  # transformers' Fp8QuantizedLayer: (codes, per-tensor scale)
+                tensors += list(quantized)
+        for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and tensor.numel():
                 storage = tensor.untyped_storage()
                 if storage.data_ptr() not in seen:

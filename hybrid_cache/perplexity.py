@@ -58,6 +58,10 @@ class PerplexityResult:
             down, so runs later in the same process include earlier peaks).
         kv_trace: ``(tokens processed, KV bytes held)`` after each chunk.
         memory_report: ``str(cache.memory_report())`` when the cache has one.
+        reference: with ``--reference``: the exact cache the next three fields compare against (else ``None``).
+        kl_mean: mean over predicted positions of ``KL(p_reference || p_cache)`` in nats.
+        kl_p99: 99th percentile of that KL.
+        top1_agreement: fraction of positions whose most likely next token is the reference's.
     """
 
     cache: str
@@ -71,6 +75,10 @@ class PerplexityResult:
     peak_rss_bytes: int
     kv_trace: list[tuple[int, int]] = field(default_factory=list)
     memory_report: str | None = None
+    reference: str | None = None
+    kl_mean: float | None = None
+    kl_p99: float | None = None
+    top1_agreement: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -240,13 +248,23 @@ def format_table(results: Sequence[PerplexityResult], full_bytes: int | None = N
     Returns:
         The table as a string.
     """
-    head = f"{'cache':<8} {'ppl':>12} {'tokens':>7} {'chunk':>6} {'seconds':>8} {'tok/s':>8} {'KV MiB':>9} {'peak RSS MiB':>13}"
+    quality = any(r.kl_mean is not None for r in results)
+    width = max([8, *(len(r.cache) for r in results)])
+    head = (f"{'cache':<{width}} {'ppl':>12} {'tokens':>7} {'chunk':>6} {'seconds':>8} {'tok/s':>8} {'KV MiB':>9} "
+            f"{'peak RSS MiB':>13}")
+    if quality:
+        head += f" {'ppl vs ref':>10} {'KL mean':>9} {'KL p99':>9} {'top-1':>7}"
     lines = [head, "-" * len(head)]
+    reference = next((r for r in results if r.reference is not None and r.cache == r.reference), None)
     for r in results:
-        lines.append(
-            f"{r.cache:<8} {r.ppl:>12.6f} {r.tokens:>7} {r.chunk_size:>6} {r.seconds:>8.2f} "
+        line = (
+            f"{r.cache:<{width}} {r.ppl:>12.6f} {r.tokens:>7} {r.chunk_size:>6} {r.seconds:>8.2f} "
             f"{r.tokens_per_second:>8.1f} {_mib(r.kv_bytes):>9} {_mib(r.peak_rss_bytes):>13}"
         )
+        if quality and r.kl_mean is not None and reference is not None:
+            line += (f" {100 * (r.ppl / reference.ppl - 1):>+9.3f}% {r.kl_mean:>9.2e} {r.kl_p99:>9.2e} "
+                     f"{100 * r.top1_agreement:>6.2f}%")
+        lines.append(line)
     if full_bytes is not None:
         lines.append(f"(a full cache of every layer would hold {_mib(full_bytes)} MiB of KV for these tokens; "
                      "peak RSS is a process-wide high-water mark)")
@@ -306,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logits-slice", type=int, default=512, help="positions per LM-head slice (default 512)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of KV bytes vs tokens")
+    p.add_argument("--reference", default=None, metavar="CACHE",
+                   help="stream the cached runs in lockstep with this exact cache (e.g. ring) and report KL divergence "
+                        "(mean, p99) and top-1 agreement against it (hybrid_cache.quality)")
+    p.add_argument("--quality-plot", default=None, metavar="PATH",
+                   help="with --reference: write a PNG of perplexity change and KL vs KV bytes")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -331,6 +354,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--max-tokens must be >= 0, got {args.max_tokens}")
     if args.logits_slice < 1:
         parser.error(f"--logits-slice must be >= 1, got {args.logits_slice}")
+    if args.reference is not None and args.reference not in CACHE_NAMES[:-1]:
+        parser.error(f"--reference must be a cache other than none, one of {', '.join(CACHE_NAMES[:-1])}")
+    if args.quality_plot and args.reference is None:
+        parser.error("--quality-plot needs --reference")
 
     from hybrid_cache.models import load_model
     from hybrid_cache.text import load_text
@@ -359,6 +386,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("note: this model has no sliding-window layers, so the ring cache holds as much as a full cache")
 
     results: list[PerplexityResult] = []
+    if args.reference is not None:
+        from .quality import evaluate_against_reference
+
+        cached = [name for name in caches if name != "none"]
+        results += evaluate_against_reference(model, ids, cached, args.reference, args.chunk_size,
+                                              logits_slice=min(args.logits_slice, 256), progress=not args.no_progress)
+        for res in results:
+            if res.memory_report:
+                print(f"[{res.cache}] memory report:\n{res.memory_report}")
+        caches = [name for name in caches if name == "none"]
     for name in caches:
         res = evaluate_perplexity(model, ids, name, args.chunk_size, logits_slice=args.logits_slice,
                                   progress=not args.no_progress)
@@ -398,6 +435,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot_memory(results, per_token, args.plot, title=f"{type(model).__name__}: KV bytes held ({args.dtype})")
         print(f"wrote {args.plot}")
+    if args.quality_plot:
+        from .quality import plot_quality
+
+        plot_quality([r for r in results if r.kl_mean is not None], args.quality_plot,
+                     title=f"{type(model).__name__}, {ids.numel()} tokens, {args.dtype}: quality vs KV bytes")
+        print(f"wrote {args.quality_plot}")
     return 0
 
 

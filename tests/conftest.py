@@ -136,6 +136,15 @@ def chunked_logits(
     return torch.cat(outputs, dim=1)
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """Tiny models: one thread is faster and keeps wall time stable on shared 2-core machines."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["gemma3", "gemma4"])
 def model_name(request) -> str:
     return request.param

@@ -18,8 +18,8 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from hybrid_cache import models
+from hybrid_cache.compare import EXACT_CACHE_NAMES
 from hybrid_cache.perplexity import (
-    CACHE_NAMES,
     evaluate_perplexity,
     full_cache_bytes_per_token,
     has_sliding_layers,
@@ -207,7 +207,7 @@ def test_none_matches_plain_cross_entropy(softcap):
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 6, 7, 13, 40])
-@pytest.mark.parametrize("cache", [c for c in CACHE_NAMES if c != "none"])
+@pytest.mark.parametrize("cache", EXACT_CACHE_NAMES)
 def test_cached_runs_match_no_cache(cache, chunk):
     model = tiny_model(window=6)
     ids = torch.randint(4, 128, (41,), generator=torch.Generator().manual_seed(2))
@@ -259,7 +259,7 @@ def test_cli_end_to_end(tiny_dir, tmp_path, capsys):
     with gzip.open(text_file, "wt") as fh:
         fh.write(SAMPLE * 3)
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    caches = list(CACHE_NAMES)
+    caches = [*EXACT_CACHE_NAMES, "none"]  # approximate caches: test_cli_reference_reports_quality
     rc = main([
         "--model", str(tiny_dir), "--text", str(text_file), "--max-tokens", "60", "--chunk-size", "7",
         "--caches", ",".join(caches), "--json", str(out_json), "--plot", str(out_png), "--no-progress",
@@ -328,3 +328,28 @@ def test_kv_bytes_equals_memory_report_and_gemma4_geometry():
     assert kv_bytes(cache) == cache.memory_report().total_bytes > 0
     # layers: S S F S S | shared x3  ->  4 sliding x (2 x 2 x 8) + 1 full x (2 x 1 x 16), fp32
     assert full_cache_bytes_per_token(model.config, torch.float32) == (4 * 2 * 2 * 8 + 1 * 2 * 1 * 16) * 4
+
+
+def test_cli_reference_reports_quality(tiny_dir, tmp_path, capsys):
+    """--reference: every cache streamed in lockstep with the exact ring; KL / top-1 / bytes in the table and JSON."""
+    text_file = tmp_path / "t.txt"
+    text_file.write_text(SAMPLE * 3)
+    out_json, out_png = tmp_path / "q.json", tmp_path / "q.png"
+    caches = ["ring", "ring-int8", "ring-int4", "ring-stream", "none"]
+    rc = main([
+        "--model", str(tiny_dir), "--text", str(text_file), "--max-tokens", "60", "--chunk-size", "7",
+        "--caches", ",".join(caches), "--reference", "ring", "--json", str(out_json), "--quality-plot", str(out_png),
+        "--no-progress",
+    ])
+    assert rc == 0
+    assert "KL mean" in capsys.readouterr().out
+    results = {r["cache"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert set(results) == set(caches)
+    assert results["ring"]["kl_mean"] == 0 and results["ring"]["top1_agreement"] == 1
+    assert results["ring-int4"]["kl_mean"] > results["ring-int8"]["kl_mean"] > 0
+    assert results["ring-int8"]["kv_bytes"] < results["ring"]["kv_bytes"]
+    assert results["ring-stream"]["kl_mean"] == 0  # 60 tokens fit its 2048-token budget: exact
+    assert abs(results["none"]["ppl"] / results["ring"]["ppl"] - 1) < 1e-5
+    assert out_png.stat().st_size > 0
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_dir), "--text", str(text_file), "--quality-plot", str(out_png)])

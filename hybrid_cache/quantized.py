@@ -1,0 +1,460 @@
+"""Compressed storage for full-attention layers: int8, int4 or fp8 keys/values with per-token group scales.
+
+Why only full layers: once the sliding layers hold `sliding_window` slots, the full-attention layers are almost all of
+the cache at long context (Gemma 3 270M at 32K tokens: 192 of 207 MiB). Sliding rings stay exact in the model dtype;
+KV-shared layers hold nothing anyway.
+
+Format (per layer, per token, per KV head; "groups" are `group_size` consecutive channels of the head dimension):
+
+| mode | stored per group of `g` channels | what we took from whom |
+| --- | --- | --- |
+| `int8` | `g` x int8 `round(x / s)`, `s = absmax / 127` (symmetric) + `s` in the model dtype | llama.cpp `q8_0` (symmetric, one scale per block), mlx-lm `QuantizedKVCache` (per-token groups of 64 along the head dimension, scales in the model dtype) |
+| `int4` | `g` nibbles `round(x / s)` in [-8, 7], `s = m / -8` with `m` the signed value of largest magnitude (so `m` itself is exact) + `s` | llama.cpp `q4_0` (its scale rule); the two nibbles of a byte are channels `j` and `j + head_dim / 2` so that unpacking is two whole-tensor shifts |
+| `fp8` | `g` x `torch.float8_e4m3fn` `x / s`, `s = absmax / 448` + `s` | torch's own dtype; the scale per token group (transformers' `Fp8QuantizedLayer` freezes one scale per tensor at the first update) |
+
+Every token is quantized on its own (groups never span tokens), so storage can be appended to, cropped (only the
+length moves), reordered for beams and repeated for `num_return_sequences` without any loss or re-quantization, and a
+compiled decode step writes one token with `index_copy_` like the exact layers. The tokens of the current step are
+returned exact (they were just computed); only the history is dequantized.
+
+The attention kernels need keys/values in the model dtype, so `update` dequantizes the history into a **workspace**
+shared by all compressed layers of one cache (one buffer for keys, one for values, the size of the largest layer),
+which exists anyway while one layer's attention runs. It is reused by the next compressed layer: the tensors that
+`update` returns are valid until the next compressed layer's `update` (the model consumes them before that; Gemma 4's
+KV-shared layers read those of the last storing layer of their type, and no compressed layer updates after it in the
+same forward). Reusing it instead of allocating per call avoids page-faulting a fresh buffer every step (4.5 vs 19 ms
+for 16384 x 8 x 256 bf16 on this CPU).
+
+Optional rotation (`rotate=True`): a normalized Sylvester-Hadamard matrix over each group, applied before quantizing
+and undone after dequantizing. It spreads a group's outlier channels over all its channels (the idea of llama.cpp's
+rotated KV cache, there applied to queries and keys inside the attention; here undone in the cache, because the
+cache does not see the queries). On Gemma 3 it lowers int4's RMS key error by a third but not the end-to-end KL
+divergence (docs/quantization.md), and costs a `[group x group]` matmul over the whole history per step: off by
+default.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.utils import is_torchdynamo_compiling
+
+from .layers import GROWTH_FACTOR, CacheCapacityError, _mark_static, _StorageLayer, _tensor_counter
+
+__all__ = [
+    "QUANTIZATION_MODES",
+    "DequantWorkspace",
+    "KVQuantizer",
+    "QuantizedFullLayer",
+    "StaticQuantizedFullLayer",
+]
+
+QUANTIZATION_MODES = ("int8", "int4", "fp8")
+DEFAULT_GROUP_SIZE = 64
+_FP8_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = float(torch.finfo(_FP8_DTYPE).max)
+
+
+def _hadamard(size: int) -> torch.Tensor:
+    """Normalized Sylvester-Hadamard matrix `[size, size]` (orthogonal and symmetric: it is its own inverse)."""
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < size:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+    return matrix / math.sqrt(size)
+
+
+class KVQuantizer:
+    """Quantizes `[..., head_dim]` tensors token by token, and dequantizes them into a preallocated tensor.
+
+    Args:
+        mode (`str`): `"int8"`, `"int4"` or `"fp8"`.
+        head_dim (`int`): size of the last dimension.
+        group_size (`int`, defaults to 64): channels sharing one scale; reduced to `gcd(head_dim, group_size)` when
+            it does not divide `head_dim` (tiny test models have heads of 8 or 16).
+        rotate (`bool`, defaults to False): Hadamard rotation within each group (see the module docstring); needs a
+            power-of-two group.
+
+    Example:
+
+    ```python
+    >>> quantizer = KVQuantizer("int8", head_dim=256)
+    >>> data, scales = quantizer.quantize(keys)          # [b, h, t, 256] int8, [b, h, t, 4] keys.dtype
+    >>> out = torch.empty_like(keys); quantizer.dequantize_into(data, scales, out)
+    ```
+    """
+
+    def __init__(self, mode: str, head_dim: int, group_size: int = DEFAULT_GROUP_SIZE, rotate: bool = False) -> None:
+        if mode not in QUANTIZATION_MODES:
+            raise ValueError(
+                f"Unknown full-layer quantization {mode!r}; choose one of {QUANTIZATION_MODES} (or None for exact "
+                f"storage in the model dtype)."
+            )
+        if mode == "int4" and head_dim % 2:
+            raise ValueError(f"int4 packs two channels per byte and needs an even head size, got {head_dim}.")
+        if group_size < 1:
+            raise ValueError(f"`group_size` must be >= 1, got {group_size}.")
+        self.mode = mode
+        self.head_dim = head_dim
+        self.group_size = math.gcd(head_dim, group_size)
+        if rotate and self.group_size & (self.group_size - 1):
+            raise ValueError(
+                f"The Hadamard rotation needs a power-of-two group, got {self.group_size} (head size {head_dim}); "
+                f"pass another `full_layer_group_size` or rotate=False."
+            )
+        self.rotate = rotate
+        self._rotation: torch.Tensor | None = None
+        self.groups = head_dim // self.group_size
+
+    # --- layout ---------------------------------------------------------------------------------------------------
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return {"int8": torch.int8, "int4": torch.int8, "fp8": _FP8_DTYPE}[self.mode]
+
+    @property
+    def packed_dim(self) -> int:
+        """Elements of `storage_dtype` per token and head."""
+        return self.head_dim // 2 if self.mode == "int4" else self.head_dim
+
+    def bytes_per_token(self, scale_element_size: int) -> int:
+        """Stored bytes per token and head: the codes plus one scale per group."""
+        return self.packed_dim * torch.empty((), dtype=self.storage_dtype).element_size() + self.groups * scale_element_size
+
+    def _rotation_for(self, reference: torch.Tensor) -> torch.Tensor:
+        if self._rotation is None or self._rotation.device != reference.device:
+            self._rotation = _hadamard(self.group_size).to(reference.device)
+        return self._rotation
+
+    # --- quantize -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def quantize(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[..., head_dim]` -> codes `[..., packed_dim]` (`storage_dtype`), scales `[..., groups]` (`tensor.dtype`).
+
+        Computed in float32; the scale is rounded to the model dtype *before* dividing, so that dequantization with the
+        stored scale reproduces the rounding grid exactly.
+        """
+        grouped = tensor.float().unflatten(-1, (self.groups, self.group_size))
+        if self.rotate:
+            grouped = grouped @ self._rotation_for(grouped)
+        if self.mode == "int4":
+            # q4_0: the signed value of largest magnitude maps to -8, so it is represented exactly.
+            index = grouped.abs().argmax(dim=-1, keepdim=True)
+            scales = (grouped.gather(-1, index) / -8.0).to(tensor.dtype)
+        else:
+            limit = 127.0 if self.mode == "int8" else _FP8_MAX
+            scales = (grouped.abs().amax(dim=-1, keepdim=True) / limit).to(tensor.dtype)
+        divisor = scales.float()
+        divisor = torch.where(divisor == 0, torch.ones_like(divisor), divisor)  # an all-zero group stays zero
+        scaled = grouped / divisor
+        if self.mode == "fp8":
+            codes = scaled.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8_DTYPE).flatten(-2)
+        elif self.mode == "int8":
+            codes = scaled.round().clamp(-127, 127).to(torch.int8).flatten(-2)
+        else:
+            nibbles = scaled.round().clamp(-8, 7).to(torch.int8).flatten(-2)
+            half = self.head_dim // 2
+            # Two's-complement nibbles: channel j in the low half-byte, channel j + half in the high one.
+            codes = (nibbles[..., :half] & 0x0F) | (nibbles[..., half:] << 4)
+        return codes, scales.squeeze(-1)
+
+    # --- dequantize -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def dequantize_into(
+        self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> None:
+        """Write the model-dtype values of `codes` / `scales` into `out` (`[..., head_dim]`), in place.
+
+        A cast and an in-place multiply per tensor: torch's mixed int8 x bf16 multiply has no vectorized CPU kernel
+        (20 ms against 4.5 ms for cast + `mul_` at 16384 x 8 x 256), and in-place writes allocate nothing. int4 needs
+        an int8 buffer of `codes`' shape for the unpacked nibbles: pass `scratch` to reuse one (a fresh buffer per
+        call costs page faults).
+        """
+        if self.mode == "int4":
+            half = self.head_dim // 2
+            scratch = torch.empty_like(codes) if scratch is None else scratch
+            # Arithmetic shifts of int8 sign-extend the nibbles: no offset to subtract afterwards.
+            torch.bitwise_right_shift(codes, 4, out=scratch)
+            out[..., half:].copy_(scratch)
+            torch.bitwise_left_shift(codes, 4, out=scratch)
+            scratch.bitwise_right_shift_(4)
+            out[..., :half].copy_(scratch)
+        else:
+            out.copy_(codes)
+        grouped = out.unflatten(-1, (self.groups, self.group_size))
+        grouped.mul_(scales.unsqueeze(-1).to(out.dtype))
+        if self.rotate:
+            grouped.copy_(grouped @ self._rotation_for(out).to(out.dtype))
+
+    def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`dequantize(quantize(tensor))`: what the cache hands back for a stored token (tests, error bounds)."""
+        codes, scales = self.quantize(tensor)
+        out = torch.empty_like(tensor)
+        self.dequantize_into(codes, scales, out)
+        return out
+
+
+class DequantWorkspace:
+    """Model-dtype buffers that compressed layers dequantize their history into, shared by the layers of one cache.
+
+    One flat buffer per (keys/values, dtype, device), grown by `GROWTH_FACTOR` when a layer needs more; a view of its
+    prefix is returned. Static mode (`static=True`) marks the buffers as static addresses for compiled graphs and never
+    regrows them after the first allocation for a given size.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def view(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+             exact: bool = False) -> torch.Tensor:
+        """A `shape`-d view of the `role` buffer (`"keys"` / `"values"`), allocated or grown as needed."""
+        numel = math.prod(shape)
+        key = (role, dtype, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            size = numel if exact or buffer is None else max(numel, math.ceil(buffer.numel() * GROWTH_FACTOR))
+            buffer = torch.zeros(size, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+            if exact:
+                _mark_static(buffer)
+        return buffer[:numel].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+class QuantizedFullLayer(_StorageLayer):
+    """A full-attention layer storing keys and values compressed (int8 / int4 / fp8, per-token group scales).
+
+    Growth and returned layout are those of `GrowableFullLayer`: time-ordered, the standard causal mask applies;
+    one-token steps grow the storage by 1.25x, multi-token steps to exactly the tokens held. `update` returns the
+    dequantized history followed by the step's own tokens, exact, as a view of the shared `DequantWorkspace`.
+
+    Args:
+        mode (`str`): `"int8"`, `"int4"` or `"fp8"`.
+        workspace (`DequantWorkspace`): shared dequantization buffers (one per cache).
+        group_size (`int`, defaults to 64): channels per scale.
+        rotate (`bool`, defaults to False): Hadamard rotation within groups.
+        initial_capacity (`int`, defaults to 0): slots allocated at the first update (or the prompt length if larger).
+
+    Example (head size 1 is too small to show grouping; see tests/test_quantized.py): `int8`, prefill `[1.0, -2.0]`
+    -> codes `[64, -127]` with scale `2/127` per token (one group) -> update returns `[1.0, -2.0]` exact for this step,
+    `[1.0 +- 0.008, -2.0]` dequantized at the next.
+    """
+
+    is_sliding = False
+
+    def __init__(
+        self,
+        mode: str,
+        workspace: DequantWorkspace,
+        group_size: int = DEFAULT_GROUP_SIZE,
+        rotate: bool = False,
+        initial_capacity: int = 0,
+    ) -> None:
+        super().__init__()
+        if mode not in QUANTIZATION_MODES:
+            KVQuantizer(mode, 2)  # raises the error naming the valid modes
+        self.mode, self.group_size, self.rotate = mode, group_size, rotate
+        self.workspace = workspace
+        self.initial_capacity = int(initial_capacity)
+        self._codes: dict[str, torch.Tensor] = {}
+        self._scales: dict[str, torch.Tensor] = {}
+
+    # --- allocation -----------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._allocate(key_states, value_states, max(self.initial_capacity, key_states.shape[-2]))
+
+    def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        self.quantizers = {
+            "keys": KVQuantizer(self.mode, self.k_head_dim, self.group_size, self.rotate),
+            "values": KVQuantizer(self.mode, self.v_head_dim, self.group_size, self.rotate),
+        }
+        for role, quantizer in self.quantizers.items():
+            self._codes[role] = torch.zeros(
+                (self.batch_size, self.num_heads, slots, quantizer.packed_dim), dtype=quantizer.storage_dtype,
+                device=self.device,
+            )
+            self._scales[role] = torch.zeros(
+                (self.batch_size, self.num_heads, slots, quantizer.groups), dtype=self.dtype, device=self.device
+            )
+        self.is_initialized = True
+
+    @property
+    def capacity(self) -> int:
+        """Token slots currently allocated (0 before the first update)."""
+        return self._codes["keys"].shape[-2] if self.is_initialized else 0
+
+    def storage_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds (codes and scales of keys and values)."""
+        return [*self._codes.values(), *self._scales.values()] if self.is_initialized else []
+
+    def nbytes(self) -> int:
+        """Bytes of compressed storage allocated (codes + scales); the shared workspace is counted by the cache."""
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.storage_tensors())
+
+    def uncompressed_bytes_per_token(self) -> int:
+        """Bytes per token of the same keys/values stored exactly in the model dtype (for `memory_report`)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.batch_size * self.num_heads * (self.k_head_dim + self.v_head_dim) * element
+
+    def _map_storage(self, function) -> None:
+        for store in (self._codes, self._scales):
+            for role in store:
+                store[role] = function(store[role])
+
+    def _grow(self, needed: int, query_length: int, limit: int | None = None) -> None:
+        if needed <= self.capacity:
+            return
+        capacity = needed if query_length > 1 else max(needed, math.ceil(self.capacity * GROWTH_FACTOR))
+        length = self.cumulative_length
+
+        def grown(tensor: torch.Tensor) -> torch.Tensor:
+            new = tensor.new_zeros(tensor.shape[:2] + (capacity,) + tensor.shape[3:])
+            new[:, :, :length].copy_(tensor[:, :, :length])
+            return new
+
+        self._map_storage(grown)
+
+    def _scratch(self, shape: torch.Size, exact: bool = False) -> torch.Tensor | None:
+        """The int4 unpacking buffer, from the shared workspace (None for the other modes)."""
+        if self.mode != "int4":
+            return None
+        return self.workspace.view("int4-scratch", tuple(shape), torch.int8, self.device, exact=exact)
+
+    # --- update ---------------------------------------------------------------------------------------------------
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
+        end = start + key_states.shape[-2]
+        for role, states in (("keys", key_states), ("values", value_states)):
+            codes, scales = self.quantizers[role].quantize(states)
+            self._codes[role][:, :, start:end].copy_(codes)
+            self._scales[role][:, :, start:end].copy_(scales)
+
+    def _returned(self, role: str, length: int, states: torch.Tensor) -> torch.Tensor:
+        """Dequantized `[0, length)` followed by this step's `states`, exact, in the workspace."""
+        total = length + states.shape[-2]
+        head_dim = states.shape[-1]
+        out = self.workspace.view(role, (self.batch_size, self.num_heads, total, head_dim), self.dtype, self.device)
+        if length:
+            codes = self._codes[role][:, :, :length]
+            self.quantizers[role].dequantize_into(
+                codes, self._scales[role][:, :, :length], out[:, :, :length], self._scratch(codes.shape)
+            )
+        out[:, :, length:].copy_(states)
+        return out
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens compressed; return `[batch, kv_heads, length, head_dim]` keys/values in model dtype
+        (history dequantized, this step's tokens exact), valid until the next compressed layer's update."""
+        self._prepare(key_states, value_states)
+        start = self.cumulative_length
+        self._grow(start + key_states.shape[-2], key_states.shape[-2])
+        keys = self._returned("keys", start, key_states)
+        values = self._returned("values", start, value_states)
+        self._write(key_states, value_states, start)
+        self.cumulative_length = start + key_states.shape[-2]
+        return keys, values
+
+    # --- protocol -------------------------------------------------------------------------------------------------
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # Codes and scales move together: a beam reorder is lossless (no dequantize / requantize round trip).
+        if self.is_initialized:
+            beam_idx = beam_idx.to(self.device)
+            self._map_storage(lambda tensor: tensor.index_select(0, beam_idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._map_storage(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+            self.batch_size = self._codes["keys"].shape[0]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._map_storage(lambda tensor: tensor[indices, ...])
+            self.batch_size = self._codes["keys"].shape[0]
+
+
+class StaticQuantizedFullLayer(QuantizedFullLayer):
+    """`QuantizedFullLayer` with a fixed capacity, static addresses and a tensor counter, for `torch.compile`.
+
+    Like `StaticFullLayer`, it returns `max_cache_len` slots (the ones past the length are masked by causality); the
+    whole capacity is dequantized every step, so that every compiled step has the same shapes.
+
+    Args:
+        max_cache_len (`int`): total tokens (prompt + generated) the layer can hold; exceeding it raises.
+        mode, workspace, group_size, rotate: as in `QuantizedFullLayer`.
+    """
+
+    is_compileable = True
+    cumulative_length = _tensor_counter("length_tensor")
+
+    def __init__(self, max_cache_len: int, mode: str, workspace: DequantWorkspace,
+                 group_size: int = DEFAULT_GROUP_SIZE, rotate: bool = False) -> None:
+        if max_cache_len < 1:
+            raise ValueError(f"`max_cache_len` must be >= 1, got {max_cache_len}.")
+        self.max_cache_len = int(max_cache_len)
+        self.length_tensor = torch.zeros((), dtype=torch.long)
+        super().__init__(mode, workspace, group_size, rotate)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._allocate(key_states, value_states, self.max_cache_len)
+        self.length_tensor = self.length_tensor.to(self.device)
+        _mark_static(*self.storage_tensors(), self.length_tensor)
+        for role, states in (("keys", key_states), ("values", value_states)):
+            shape = (self.batch_size, self.num_heads, self.max_cache_len, states.shape[-1])
+            self.workspace.view(role, shape, self.dtype, self.device, exact=True)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        query_length = key_states.shape[-2]
+        if not is_torchdynamo_compiling():  # shape checks read the counter: eager only
+            self._prepare(key_states, value_states)
+            end = self.cumulative_length + query_length
+            if end > self.max_cache_len:
+                raise CacheCapacityError(
+                    f"The full-attention layers were allocated for max_cache_len={self.max_cache_len} tokens, but "
+                    f"{end} are needed. Create the cache with a larger `max_cache_len` (prompt + max_new_tokens), or "
+                    f"leave it unset for storage that grows."
+                )
+        positions = self.length_tensor + torch.arange(query_length, device=self.device)
+        returned = []
+        for role, states in (("keys", key_states), ("values", value_states)):
+            quantizer = self.quantizers[role]
+            shape = (self.batch_size, self.num_heads, self.max_cache_len, states.shape[-1])
+            out = self.workspace.view(role, shape, self.dtype, self.device, exact=True)
+            quantizer.dequantize_into(self._codes[role], self._scales[role], out,
+                                      self._scratch(self._codes[role].shape, exact=True))
+            out.index_copy_(2, positions, states)  # this step's tokens exact, as in the growing layer
+            codes, scales = quantizer.quantize(states)
+            # torch has no CPU index_copy_ for float8: copy the same bytes through uint8 views.
+            self._codes[role].view(torch.uint8).index_copy_(2, positions, codes.view(torch.uint8))
+            self._scales[role].index_copy_(2, positions, scales)
+            returned.append(out)
+        self.length_tensor.add_(query_length)
+        return returned[0], returned[1]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # In place, to keep the static addresses that compiled graphs captured.
+        if self.is_initialized:
+            beam_idx = beam_idx.to(self.device)
+            for tensor in self.storage_tensors():
+                tensor.copy_(tensor.index_select(0, beam_idx))

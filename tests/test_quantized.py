@@ -1,0 +1,426 @@
+"""Compressed full-attention layers (`full_layer_quantization`): the codec's error bounds, exact storage contents,
+and every cache operation `generate` uses.
+
+Oracles:
+- the codec against formulas written out here (llama.cpp q8_0 / q4_0 rules, torch's float8 cast) and per-element
+  error bounds (half a quantization step);
+- the layers against exactly representable values (integers with a group maximum of 127 for int8, of -8 for int4),
+  for which the compressed cache must return its inputs exactly (token ids as values, as in test_layers.py);
+- the model-level plumbing (workspace sharing, chunked prefill, crop, beams, Gemma 4's KV-shared layers, compile)
+  against a *fake-quantized* reference: exact growing storage that hands back `dequantize(quantize(history))`. The
+  compressed cache must give the same logits (fp32, 1e-5) and the same tokens in every generate mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits
+from transformers import DynamicCache
+
+from hybrid_cache import (
+    GrowableFullLayer,
+    HybridRingCache,
+    KVQuantizer,
+    QuantizedFullLayer,
+    RingSlidingLayer,
+    StaticQuantizedFullLayer,
+)
+from hybrid_cache.compare import kv_bytes_held
+from hybrid_cache.quantized import DequantWorkspace, _hadamard
+
+MODES = ("int8", "int4", "fp8")
+WINDOW = 6
+
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+# --- 1. the codec ----------------------------------------------------------------------------------------------------
+def random_kv(seed: int, shape=(2, 3, 7, 64), dtype=torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator) * torch.rand(shape[:-1] + (1,), generator=generator) * 20
+    x[..., 3] *= 8  # an outlier channel, as Gemma's keys have
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("group", [8, 32, 64])
+def test_int8_matches_q8_0_formula_and_half_step_bound(seed, group):
+    x = random_kv(seed)
+    quantizer = KVQuantizer("int8", 64, group_size=group)
+    codes, scales = quantizer.quantize(x)
+    grouped = x.unflatten(-1, (64 // group, group))
+    expected_scales = grouped.abs().amax(-1) / 127
+    torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0)
+    expected_codes = torch.round(grouped / expected_scales[..., None]).to(torch.int8).flatten(-2)
+    assert torch.equal(codes, expected_codes)
+    error = (quantizer.roundtrip(x) - x).abs().unflatten(-1, (64 // group, group))
+    assert (error <= expected_scales[..., None] / 2 * (1 + 1e-5)).all()
+    assert quantizer.bytes_per_token(4) == 64 + 64 // group * 4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_int4_matches_q4_0_formula_extreme_exact_and_half_step_bound(seed):
+    x = random_kv(seed)
+    quantizer = KVQuantizer("int4", 64, group_size=32)
+    codes, scales = quantizer.quantize(x)
+    assert codes.dtype == torch.int8 and codes.shape[-1] == 32  # two channels per byte
+    grouped = x.unflatten(-1, (2, 32))
+    extreme = grouped.gather(-1, grouped.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    torch.testing.assert_close(scales, extreme / -8, rtol=0, atol=0)
+    restored = quantizer.roundtrip(x).unflatten(-1, (2, 32))
+    error = (restored - grouped).abs()
+    step = scales.abs()[..., None]
+    # Half a step, except where q4_0 saturates: the side opposite the extreme has 7 levels, not 8, so values
+    # beyond 7.5 steps clamp to 7 (at most one step off, as in llama.cpp).
+    saturated = (grouped / scales[..., None]) > 7.5
+    assert (error <= torch.where(saturated, step, step / 2) * (1 + 1e-5)).all()
+    # The value of largest magnitude maps to -8 exactly: it comes back unchanged.
+    restored_extreme = restored.gather(-1, grouped.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    torch.testing.assert_close(restored_extreme, extreme, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fp8_is_torch_float8_cast_with_group_scale(seed):
+    x = random_kv(seed)
+    quantizer = KVQuantizer("fp8", 64, group_size=64)
+    codes, scales = quantizer.quantize(x)
+    assert codes.dtype == torch.float8_e4m3fn
+    expected_scales = x.abs().amax(-1) / 448
+    torch.testing.assert_close(scales.squeeze(-1), expected_scales, rtol=0, atol=0)
+    restored = quantizer.roundtrip(x)
+    expected = (x / expected_scales[..., None]).to(torch.float8_e4m3fn).float() * expected_scales[..., None]
+    torch.testing.assert_close(restored, expected, rtol=1e-6, atol=0)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for values in its normal range, absolute below it.
+    bound = torch.maximum(x.abs() * 2**-4, expected_scales[..., None] * 2**-10)
+    assert ((restored - x).abs() <= bound * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rotation_is_orthogonal_and_keeps_the_error_bound(mode):
+    hadamard = _hadamard(16)
+    torch.testing.assert_close(hadamard @ hadamard, torch.eye(16), rtol=0, atol=1e-6)
+    x = random_kv(1)
+    plain = KVQuantizer(mode, 64, group_size=16)
+    rotated = KVQuantizer(mode, 64, group_size=16, rotate=True)
+    for quantizer in (plain, rotated):
+        # Orthogonal: the error norm per group is that of the rotated coordinates, each within half a step.
+        error = (quantizer.roundtrip(x) - x).unflatten(-1, (4, 16)).norm(dim=-1)
+        _, scales = quantizer.quantize(x)
+        step = scales.abs() * (1 if mode != "fp8" else 448 * 2**-4)
+        assert (error <= step * math.sqrt(16) / 2 * (1 + 1e-4) + 1e-6).all()
+    if mode == "int4":  # the point of the rotation: the outlier channel no longer sets every group's step
+        assert (rotated.roundtrip(x) - x).norm() < (plain.roundtrip(x) - x).norm()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zeros_stay_zero_and_scales_use_the_model_dtype(mode, dtype):
+    x = random_kv(2, dtype=dtype)
+    x[0, 0, 0] = 0
+    quantizer = KVQuantizer(mode, 64)
+    codes, scales = quantizer.quantize(x)
+    assert scales.dtype == dtype
+    restored = quantizer.roundtrip(x)
+    assert restored.dtype == dtype and torch.isfinite(restored).all()
+    assert torch.equal(restored[0, 0, 0], torch.zeros(64, dtype=dtype))
+
+
+def test_group_size_that_does_not_divide_the_head_uses_the_gcd():
+    assert KVQuantizer("int8", 80, group_size=64).group_size == 16
+    assert KVQuantizer("int8", 8, group_size=64).group_size == 8
+
+
+# --- 2. exact layer contents (values representable exactly) ---------------------------------------------------------
+def representable(values: list[list[int]], mode: str) -> torch.Tensor:
+    """`[1, 1, tokens, 4]` tensor whose rows are `values` (token ids), each completed so the group extreme is exact:
+    channel 3 holds 127 (int8) or -8 (int4); the id sits in channel 0 (int8) or channels 0 and 2 (int4 nibbles).
+    """
+    rows = []
+    for token in values:
+        token = token[0]
+        if mode == "int8":
+            rows.append([token, -token, 0, 127])
+        else:
+            rows.append([token % 8, -(token % 8), token % 7 - 3, -8])
+    return torch.tensor(rows, dtype=torch.float32)[None, None]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_layer_returns_exact_contents_through_prefill_decode_crop_and_beams(mode):
+    """prefill [1,2,3]; decode 4, 5 -> [1..5]; crop(-2) -> [1,2,3]; decode 9 -> [1,2,3,9]; reorder beams."""
+    layer = QuantizedFullLayer(mode, DequantWorkspace(), group_size=4)
+
+    def step(ids):
+        data = representable([[i] for i in ids], mode).expand(2, 1, -1, -1).clone()
+        data[1] *= -1 if mode == "int8" else 1  # the second sequence differs (beam reorder below)
+        keys, values = layer.update(data, data + 0)
+        return keys, data
+
+    keys, _ = step([1, 2, 3])
+    for token in (4, 5):
+        keys, _ = step([token])
+    expected = representable([[i] for i in range(1, 6)], mode)
+    assert keys[0:1].tolist() == expected.tolist()
+    layer.crop(-2)
+    assert layer.get_seq_length() == 3
+    keys, _ = step([9])
+    assert keys[0:1].tolist() == representable([[1], [2], [3], [9]], mode).tolist()
+    before = keys.clone()
+    layer.reorder_cache(torch.tensor([1, 0]))
+    keys, _ = step([7])
+    assert keys[:, :, :4].tolist() == before.flip(0).tolist()
+    layer.batch_repeat_interleave(2)
+    assert layer.batch_size == 4 and layer.nbytes() > 0
+    layer.batch_select_indices(torch.tensor([0, 3]))
+    assert layer.batch_size == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_step_tokens_are_returned_exact_history_dequantized(mode):
+    layer = QuantizedFullLayer(mode, DequantWorkspace(), group_size=8)
+    first, second = random_kv(3, (1, 2, 5, 16)), random_kv(4, (1, 2, 1, 16))
+    keys, values = layer.update(first, first * 2)
+    assert torch.equal(keys, first) and torch.equal(values, first * 2)
+    keys, values = layer.update(second, second)
+    quantizer = KVQuantizer(mode, 16, group_size=8)
+    assert torch.equal(keys[:, :, :5], quantizer.roundtrip(first))
+    assert torch.equal(keys[:, :, 5:], second)
+    assert torch.equal(values[:, :, :5], quantizer.roundtrip(first * 2))
+
+
+def test_workspace_is_shared_and_grows():
+    workspace = DequantWorkspace()
+    a = QuantizedFullLayer("int8", workspace, group_size=8)
+    b = QuantizedFullLayer("int8", workspace, group_size=8)
+    x = random_kv(5, (1, 1, 4, 8))
+    keys_a, _ = a.update(x, x)
+    keys_b, _ = b.update(x * 2, x * 2)
+    assert keys_a.untyped_storage().data_ptr() == keys_b.untyped_storage().data_ptr()
+    assert workspace.nbytes() == 2 * 4 * 8 * 4  # one layer's keys and values, not one per layer
+
+
+# --- 3. the model: fake-quantized reference ---------------------------------------------------------------------------
+class FakeQuantFullLayer(GrowableFullLayer):
+    """Exact growing storage that returns `dequantize(quantize(history))` + this step's tokens: the oracle."""
+
+    def __init__(self, mode: str, rotate: bool = False):
+        super().__init__()
+        self.mode, self.rotate = mode, rotate
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        start = self.cumulative_length
+        keys, values = super().update(key_states, value_states)
+        out = []
+        for stored, new in ((keys, key_states), (values, value_states)):
+            quantizer = KVQuantizer(self.mode, new.shape[-1], rotate=self.rotate)
+            out.append(torch.cat([quantizer.roundtrip(stored[:, :, :start]), new], dim=-2))
+        return out[0], out[1]
+
+
+def fake_quant_cache(model, mode: str, rotate: bool = False) -> HybridRingCache:
+    cache = HybridRingCache(model.config)
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, GrowableFullLayer):
+            cache.layers[index] = FakeQuantFullLayer(mode, rotate)
+    return cache
+
+
+@functools.cache
+def get_model(name: str):
+    return MODEL_BUILDERS[name](window=WINDOW)
+
+
+def random_schedule(seed: int, total: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    schedule = []
+    while sum(schedule) < total:
+        size = 1 if torch.rand((), generator=generator) < 0.5 else int(torch.randint(2, 3 * WINDOW, (), generator=generator))
+        schedule.append(min(size, total - sum(schedule)))
+    return schedule
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("mode", MODES)
+def test_chunked_logits_equal_fake_quant_reference(model_name, mode, seed):
+    model = get_model(model_name)
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, : 4 + seed] = 0  # left padding
+    schedule = random_schedule(seed, ids.shape[1])
+    cache = HybridRingCache(model.config, full_layer_quantization=mode)
+    actual = chunked_logits(model, cache, ids, schedule, mask)
+    expected = chunked_logits(model, fake_quant_cache(model, mode), ids, schedule, mask)
+    real = mask.bool()
+    torch.testing.assert_close(actual[real], expected[real], rtol=0, atol=1e-5)
+    # ...and the compression is real: not the exact ring's logits.
+    exact = no_cache_logits(model, ids, mask)
+    assert not torch.allclose(actual[real], exact[real], atol=1e-6)
+
+
+def test_sliding_layers_stay_exact_in_the_model_dtype():
+    """Gemma 3 tiny: layers 0-4 are sliding and run before the only full layer, so their rings must hold exactly
+    what the exact cache's rings hold; the full layer holds int8 codes."""
+    model = get_model("gemma3")
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
+    exact, compressed = HybridRingCache(model.config), HybridRingCache(model.config, full_layer_quantization="int8")
+    chunked_logits(model, exact, ids, [11, 1, 1, 17])
+    chunked_logits(model, compressed, ids, [11, 1, 1, 17])
+    for kind, a, b in zip(compressed.layer_kinds, exact.layers, compressed.layers):
+        if kind == "sliding_attention":
+            assert isinstance(b, RingSlidingLayer) and b.dtype == torch.float32
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        else:
+            assert isinstance(b, QuantizedFullLayer) and b.storage_tensors()[0].dtype == torch.int8
+
+
+# --- 4. generate -----------------------------------------------------------------------------------------------------
+def prompt(batch: int = 1, length: int = 15, pad: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
+    input_ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    attention_mask = torch.ones_like(input_ids)
+    if pad:
+        input_ids[-1, :pad], attention_mask[-1, :pad] = 0, 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def repetitive_prompt() -> dict[str, torch.Tensor]:
+    input_ids = torch.tensor([[5, 17, 29, 41, 53, 65, 77] * 2 + [5, 17, 29, 41]])
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+GENERATE_CASES = {
+    "greedy": (lambda: prompt(2, pad=9), {"do_sample": False}),
+    "sampling": (lambda: prompt(2, pad=9), {"do_sample": True, "top_k": 20, "temperature": 0.8}),
+    "beams3": (prompt, {"num_beams": 3, "do_sample": False}),
+    "beams3_return2": (prompt, {"num_beams": 3, "num_return_sequences": 2, "do_sample": False}),
+    "sample_return3": (prompt, {"do_sample": True, "top_k": 20, "num_return_sequences": 3}),
+    "prompt_lookup": (repetitive_prompt, {"do_sample": False, "prompt_lookup_num_tokens": 4}),
+    "assisted": (prompt, {"do_sample": False, "assistant": True}),
+}
+
+
+@torch.no_grad()
+def run_generate(model, inputs, cache, new_tokens=20, seed=7, **kwargs):
+    if kwargs.pop("assistant", False):
+        kwargs["assistant_model"] = MODEL_BUILDERS["gemma3"](window=WINDOW, layers=2, seed=7)
+    torch.manual_seed(seed)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                         return_dict_in_generate=True, output_logits=True, **kwargs)
+    assert out.sequences.shape[-1] == inputs["input_ids"].shape[-1] + new_tokens
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("case", list(GENERATE_CASES))
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_generate_modes_equal_fake_quant_reference(model_name, mode, case):
+    make_inputs, kwargs = GENERATE_CASES[case]
+    if "assistant" in kwargs and model_name == "gemma4":
+        pytest.skip("the tiny assistant is a Gemma 3 model; Gemma 4 is covered by prompt lookup")
+    model, inputs = get_model(model_name), make_inputs()
+    cache = HybridRingCache(model.config, full_layer_quantization=mode)
+    tokens, logits = run_generate(model, inputs, cache, **kwargs)
+    expected_tokens, expected_logits = run_generate(model, inputs, fake_quant_cache(model, mode), **kwargs)
+    assert torch.equal(tokens, expected_tokens)
+    if "num_beams" not in kwargs:  # beam logits are per-beam scores, compared through the tokens
+        torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_multi_turn_and_fixed_capacity(model_name, mode):
+    """A second `generate` call continues the same cache (multi-turn), and the fixed-capacity (compileable) layer
+    gives the growing layer's tokens."""
+    model = get_model(model_name)
+    first = prompt(1, seed=3)
+    growing = HybridRingCache(model.config, full_layer_quantization=mode)
+    fixed = HybridRingCache(model.config, full_layer_quantization=mode, max_cache_len=96)
+    assert fixed.is_compileable and not growing.is_compileable
+    assert any(isinstance(layer, StaticQuantizedFullLayer) for layer in fixed.layers)
+    reference = fake_quant_cache(model, mode)
+    outputs = []
+    for cache in (growing, fixed, reference):
+        tokens, _ = run_generate(model, first, cache, new_tokens=12)
+        follow_up = torch.cat([tokens, torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))], 1)
+        tokens, _ = run_generate(model, {"input_ids": follow_up, "attention_mask": torch.ones_like(follow_up)}, cache,
+                                 new_tokens=12)
+        outputs.append(tokens)
+    assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[2])
+
+
+def test_compiled_decode_matches_eager():
+    from test_compile import greedy_decode  # the exact cache's compile test, reused
+
+    torch._dynamo.reset()
+    model = get_model("gemma3")
+    prompt_ids = torch.randint(3, VOCAB, (2, 2 * WINDOW + 1), generator=torch.Generator().manual_seed(0))
+    eager = greedy_decode(model, HybridRingCache(model.config, full_layer_quantization="int8", max_cache_len=48),
+                          prompt_ids, model.forward, 16)
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("eager")
+    compiled_forward = torch.compile(model.forward, backend=counter, fullgraph=True)
+    cache = HybridRingCache(model.config, full_layer_quantization="int8", max_cache_len=48)
+    compiled = greedy_decode(model, cache, prompt_ids, compiled_forward, 16)
+    assert torch.equal(eager, compiled)
+    assert counter.frame_count == 1
+
+
+# --- 5. memory and errors ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("mode", "dtype", "limit"), [
+    ("int8", torch.float32, 0.27), ("int4", torch.float32, 0.15), ("fp8", torch.float32, 0.27),
+    ("int8", torch.bfloat16, 0.54), ("int4", torch.bfloat16, 0.30),
+])
+def test_memory_report_counts_codes_and_scales(mode, dtype, limit):
+    """Head size 256 as on Gemma 3 270M: compressed full-layer bytes against the same layer in the model dtype."""
+    cache = HybridRingCache(get_model("gemma3").config, full_layer_quantization=mode)
+    keys = random_kv(0, (2, 2, 40, 256), dtype)
+    cache.update(keys, keys, 5)  # the full layer
+    layer = cache.layers[5]
+    report = cache.memory_report()
+    expected = 2 * 2 * 40 * (2 * layer.quantizers["keys"].bytes_per_token(keys.element_size()))
+    assert layer.nbytes() == expected == report.bytes_by_type["full_attention"]
+    assert report.total_bytes == kv_bytes_held(cache)
+    assert report.workspace_bytes == 2 * 2 * 2 * 40 * 256 * keys.element_size()
+    assert expected / layer.uncompressed_bytes_per_token() / 40 <= limit
+    assert "dequantization workspace" in str(report)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"full_layer_quantization": "int3"}, "Unknown full_layer_quantization 'int3'"),
+    ({"full_layer_rotation": True}, "needs full_layer_quantization"),
+    ({"full_layer_sink_tokens": 4}, "only together with full_layer_window"),
+    ({"full_layer_window": 64, "full_layer_quantization": "int8"}, "cannot be combined"),
+    ({"full_layer_window": 64, "max_cache_len": 128}, "no compileable variant"),
+])
+def test_clear_errors_for_unknown_modes_and_unsupported_combinations(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HybridRingCache(get_model("gemma3").config, **kwargs)
+
+
+def test_codec_refuses_odd_int4_heads_and_rotation_of_odd_groups():
+    with pytest.raises(ValueError, match="even head size"):
+        KVQuantizer("int4", 7)
+    with pytest.raises(ValueError, match="power-of-two group"):
+        KVQuantizer("int8", 24, group_size=24, rotate=True)
+
+
+def test_shape_change_is_refused_and_leaves_the_layer_unchanged():
+    layer = QuantizedFullLayer("int8", DequantWorkspace(), group_size=8)
+    x = random_kv(0, (1, 1, 3, 8))
+    layer.update(x, x)
+    with pytest.raises(ValueError, match="batch size"):
+        layer.update(random_kv(0, (2, 1, 1, 8)), random_kv(0, (2, 1, 1, 8)))
+    assert layer.get_seq_length() == 3
+    keys, _ = layer.update(x[:, :, :1], x[:, :, :1])
+    assert keys.shape[-2] == 4
+
+
+def test_dynamic_cache_untouched():
+    """Sanity for the comparison tools: a DynamicCache holds no compressed layers and kv_bytes_held still counts it."""
+    model = get_model("gemma3")
+    cache = DynamicCache(config=model.config)
+    chunked_logits(model, cache, torch.randint(3, VOCAB, (1, 10)), [10])
+    assert kv_bytes_held(cache) > 0
