@@ -384,7 +384,7 @@ class HybridRingCache(Cache):
         itself when a recorded step is not rolled back before the next one (speculation is over) and when a new
         `generate` call starts; call this to release the kept window right away (e.g. before a long prefill)."""
         for layer in self.layers:
-            if isinstance(layer, RingSlidingLayer):
+            if isinstance(layer, _RING_LAYERS):
                 layer.deactivate_past_recording()
 
     @property

@@ -198,17 +198,27 @@ class _StorageLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         outside_inference = not torch.is_inference_mode_enabled()
-        tracks_grad = new_states_need_grad or self.keys.requires_grad or self.values.requires_grad
+        storage = self.storage_tensors()
+        tracks_grad = new_states_need_grad or any(tensor.requires_grad for tensor in storage)
         if tracks_grad:
             self._check_autograd_allowed()
-        if tracks_grad or (outside_inference and self.keys.is_inference()):
-            self.keys, self.values = self.keys.clone(), self.values.clone()
-            self._restatic(self.keys, self.values)
+        if tracks_grad or (outside_inference and any(tensor.is_inference() for tensor in storage)):
+            self._map_storage(torch.clone)
+            self._restatic(*self.storage_tensors())
         if outside_inference:
             for name in self._counter_names:
                 if getattr(self, name).is_inference():
                     setattr(self, name, getattr(self, name).clone())
                     self._restatic(getattr(self, name))
+
+    def storage_tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding this layer's tokens (layouts other than dense keys / values override this and
+        `_map_storage`)."""
+        return [self.keys, self.values] if self.is_initialized else []
+
+    def _map_storage(self, function) -> None:
+        """Replace every storage tensor by `function(tensor)`."""
+        self.keys, self.values = function(self.keys), function(self.values)
 
     def _check_autograd_allowed(self) -> None:
         """Layers with static addresses (compiled mode) override this to refuse copying on every step."""

@@ -195,9 +195,9 @@ def _check_window(
     if padding_mask is not None:  # padding queries see nothing that a real token reads: ignore them
         query_positions = torch.arange(q_length, device=device) + q_offset
         inside = query_positions < padding_mask.shape[-1]
-        violation &= padding_mask[:, query_positions.clamp(max=padding_mask.shape[-1] - 1)] | ~inside
+        violation = violation & (padding_mask[:, query_positions.clamp(max=padding_mask.shape[-1] - 1)] | ~inside)
     if bool(violation.any()):
-        violation &= ~visible(0, None)  # full-attention masks are not a ring's
+        violation = violation & ~visible(0, None)  # full-attention masks are not a ring's
     if bool(violation.any()):
         model_window = getattr(config, "sliding_window", None)
         held_text = f"positions {int(held.min())}..{int(held.max())}"

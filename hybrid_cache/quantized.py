@@ -40,7 +40,7 @@ import math
 import torch
 from transformers.utils import is_torchdynamo_compiling
 
-from .layers import GROWTH_FACTOR, CacheCapacityError, _mark_static, _StorageLayer, _tensor_counter
+from .layers import GROWTH_FACTOR, CacheCapacityError, _mark_static, _StorageLayer, _tensor_counter, grown_capacity
 
 __all__ = [
     "QUANTIZATION_MODES",
@@ -229,7 +229,7 @@ class QuantizedFullLayer(_StorageLayer):
     """A full-attention layer storing keys and values compressed (int8 / int4 / fp8, per-token group scales).
 
     Growth and returned layout are those of `GrowableFullLayer`: time-ordered, the standard causal mask applies;
-    one-token steps grow the storage by 1.25x, multi-token steps to exactly the tokens held. `update` returns the
+    one-token steps grow the storage by 1/64 (`grown_capacity`), multi-token steps to exactly the tokens held. `update` returns the
     dequantized history followed by the step's own tokens, exact, as a view of the shared `DequantWorkspace`.
 
     Args:
@@ -311,7 +311,7 @@ class QuantizedFullLayer(_StorageLayer):
     def _grow(self, needed: int, query_length: int, limit: int | None = None) -> None:
         if needed <= self.capacity:
             return
-        capacity = needed if query_length > 1 else max(needed, math.ceil(self.capacity * GROWTH_FACTOR))
+        capacity = grown_capacity(self.capacity, needed, query_length, limit)
         length = self.cumulative_length
 
         def grown(tensor: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from .layers import RollbackError, _StorageLayer
+from .layers import RollbackError, _resolve_crop_length, _StorageLayer
 from .mask_hook import RingLayout
 
 __all__ = ["SinkWindowFullLayer"]
@@ -131,6 +131,8 @@ class SinkWindowFullLayer(_StorageLayer):
         self._prepare(key_states, value_states)
         length, query_length = self.cumulative_length, key_states.shape[-2]
         kind = self._step_kind(query_length)
+        if self._undo is not None and self.record_past:
+            self.record_past = False  # the recorded step was not rolled back: speculation is over (as in the rings)
         self._undo = None
         if kind == "ordered":
             end = length + query_length
@@ -189,40 +191,52 @@ class SinkWindowFullLayer(_StorageLayer):
         self.record_past = False
         self._undo = None
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Roll back `-tokens_to_remove` tokens exactly (the window the next query sees is what it would have been
-        without them), or raise `RollbackError`; positive values are the legacy "length to keep"."""
-        if tokens_to_remove > 0:
-            tokens_to_remove = tokens_to_remove - self.cumulative_length
-            if tokens_to_remove > 0:
-                raise ValueError(f"Cannot crop to {tokens_to_remove + self.cumulative_length} tokens: only "
-                                 f"{self.cumulative_length} are cached.")
-        remove = -tokens_to_remove
-        if remove == 0:
-            return
-        new_length = self.cumulative_length - remove
-        if new_length < 0:
-            raise RollbackError(f"Cannot remove {remove} tokens: only {self.cumulative_length} are cached.")
+    def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
+        """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise `RollbackError` changing
+        nothing: exact when the window the next query sees is still held, or from the last recorded step."""
+        new_length = _resolve_crop_length(tokens_to_remove, self.cumulative_length)
         if self._oldest <= max(self.sink_tokens, new_length - self.window + 1):
+            return new_length, False
+        if self._undo is not None and self._undo.length <= new_length:
+            return new_length, True
+        raise RollbackError(
+            f"Cannot roll back to {new_length} tokens of a bounded full layer exactly: its window ({self.window} "
+            f"tokens + margin {self.rollback_margin}) already overwrote tokens the next query needs. Create the cache "
+            f"with `rollback_margin=N` for N >= {self.cumulative_length - new_length - 1}, or call "
+            f"`cache.activate_past_recording()` before the speculative step."
+        )
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        self._crop_plan(tokens_to_remove)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back tokens exactly (the window the next query sees is what it would have been without them), or
+        raise `RollbackError` changing nothing; positive values are the legacy "length to keep". Any crop releases
+        the kept step."""
+        new_length, undo_step = self._crop_plan(tokens_to_remove)
+        undo, self._undo = self._undo, None
+        if not undo_step:
             self.cumulative_length = new_length
             return
+        self._make_writable()
+        if undo.held_keys is not None:
+            self.keys.copy_(undo.held_keys)
+            self.values.copy_(undo.held_values)
+        self.cumulative_length, self._oldest = undo.length, undo.oldest
+        kept = new_length - undo.length
+        if kept:
+            self._write_newest(undo.new_keys[:, :, :kept], undo.new_values[:, :, :kept])
+
+    def deactivate_past_recording(self) -> None:
+        self.record_past = False
+        self._undo = None
+
+    def extra_nbytes(self) -> int:
+        """Counters plus what is kept to undo the last speculative step (while recording past)."""
         undo = self._undo
-        if undo is not None and undo.length <= new_length:
-            self._undo = None
-            if undo.held_keys is not None:
-                self.keys.copy_(undo.held_keys)
-                self.values.copy_(undo.held_values)
-            self.cumulative_length, self._oldest = undo.length, undo.oldest
-            kept = new_length - undo.length
-            if kept:
-                self._write_newest(undo.new_keys[:, :, :kept], undo.new_values[:, :, :kept])
-            return
-        raise RollbackError(
-            f"Cannot roll back {remove} tokens of a bounded full layer exactly: its window ({self.window} tokens + "
-            f"margin {self.rollback_margin}) already overwrote tokens the next query needs. Create the cache with "
-            f"`rollback_margin=N` for N >= {remove - 1}, or call `cache.activate_past_recording()` before the "
-            f"speculative step."
-        )
+        kept = [] if undo is None else [t for t in undo[2:] if t is not None]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+        return super().extra_nbytes() + sum(storages.values())
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"optional) or, with --prefill, prompt lengths (default {' '.join(map(str, PREFILL_CONTEXTS))}).")
     p.add_argument("--batch", "--batches", dest="batches", nargs="+", type=int, default=None,
                    help="batch sizes (default 1 8; with --prefill 1).")
-    p.add_argument("--caches", nargs="+", default=names, choices=names, metavar="CACHE",
-                   help=f"caches to compare, from {', '.join(names)}.")
+    p.add_argument("--caches", nargs="+", default=list(compare.EXACT_CACHE_NAMES), choices=names, metavar="CACHE",
+                   help=f"caches to compare, from {', '.join(names)} (the default: the exact ones; the others are the "
+                        f"approximate storage modes of docs/quantization.md).")
     p.add_argument("--window", nargs="+", type=int, default=None,
                    help="sliding window(s) of a random model (default: the model's own; ignored for a real model), "
                         "e.g. --window 1024 4096.")
