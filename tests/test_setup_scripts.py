@@ -34,6 +34,9 @@ def _load_check_install():
     return module
 
 
+# setuptools' distutils shim warns when it sees a `distutils` that an earlier test's import (torch's inductor) brought
+# in; this test's interpreter probing triggers it in a full-suite run only. Noise from the environment, not from us.
+@pytest.mark.filterwarnings("ignore:Setuptools is replacing distutils:UserWarning")
 def test_install_blocker_detects_pep668_marker_outside_a_venv(tmp_path, monkeypatch):
     """The PEP 668 marker in the standard library of a Python that is not a venv blocks installs; inside a venv it does
     not (pip itself ignores it there); a Python without pip is blocked too."""
