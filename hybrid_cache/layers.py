@@ -135,6 +135,12 @@ class _StorageLayer(CacheLayerMixin):
     is_croppable = True
     # Tensors a layer owns besides `keys` / `values` that in-place updates touch (the static layers' counters).
     _counter_names: tuple[str, ...] = ()
+    # Whether new buffers start zeroed: layers that can return slots never written (a ring's empty slots, a fixed
+    # buffer past its length) need finite values there, since a masked key still enters `q @ k`.
+    _zero_fill = True
+
+    def _new_buffer(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return like.new_zeros(shape) if self._zero_fill else like.new_empty(shape)
 
     def __init__(self) -> None:
         super().__init__()
@@ -154,8 +160,8 @@ class _StorageLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
-        self.keys = key_states.new_zeros((self.batch_size, self.num_heads, slots, self.k_head_dim))
-        self.values = value_states.new_zeros((self.batch_size, self.num_heads, slots, self.v_head_dim))
+        self.keys = self._new_buffer(key_states, (self.batch_size, self.num_heads, slots, self.k_head_dim))
+        self.values = self._new_buffer(value_states, (self.batch_size, self.num_heads, slots, self.v_head_dim))
         self.is_initialized = True
         self.note_write(0)
 
@@ -170,8 +176,8 @@ class _StorageLayer(CacheLayerMixin):
             return
         new_capacity = grown_capacity(self.capacity, needed, query_length, limit)
         length = self.cumulative_length
-        new_keys = self.keys.new_zeros(self.keys.shape[:2] + (new_capacity, self.k_head_dim))
-        new_values = self.values.new_zeros(self.values.shape[:2] + (new_capacity, self.v_head_dim))
+        new_keys = self._new_buffer(self.keys, self.keys.shape[:2] + (new_capacity, self.k_head_dim))
+        new_values = self._new_buffer(self.values, self.values.shape[:2] + (new_capacity, self.v_head_dim))
         new_keys[:, :, :length].copy_(self.keys[:, :, :length])
         new_values[:, :, :length].copy_(self.values[:, :, :length])
         self.keys, self.values = new_keys, new_values
@@ -614,6 +620,8 @@ class GrowableFullLayer(_StorageLayer):
     """
 
     is_sliding = False
+    # Only `[:length]` is ever returned: new buffers skip the zero fill, so a prefill chunk writes each byte once.
+    _zero_fill = False
 
     def __init__(self, initial_capacity: int = 0) -> None:
         super().__init__()

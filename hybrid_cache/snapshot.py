@@ -42,7 +42,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .layers import NOTHING_WRITTEN, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
+from .layers import (
+    NOTHING_WRITTEN,
+    GrowableFullLayer,
+    RingSlidingLayer,
+    StaticFullLayer,
+    StaticRingSlidingLayer,
+)
 
 if TYPE_CHECKING:
     from .cache import HybridRingCache
@@ -112,6 +118,10 @@ class LayerState:
             (layer.batch_size, layer.num_heads, layer.k_head_dim, layer.v_head_dim, layer.dtype)
             == (self.batch_size, self.num_heads, self.k_head_dim, self.v_head_dim, self.dtype)
         )
+
+
+# The storage classes the format describes (exact storage: rings and full layers in the model dtype).
+_EXACT_STORAGE = (RingSlidingLayer, GrowableFullLayer, StaticFullLayer)
 
 
 def _ring_slots(length: int, oldest: int, max_slots: int) -> int:
@@ -270,8 +280,26 @@ def _cache_arguments(cache: HybridRingCache) -> dict[str, Any]:
     }
 
 
+def _check_exact_storage(cache: HybridRingCache, action: str) -> None:
+    """Refuse, naming the fix, a cache whose layers this format does not describe: compressed or bounded full layers
+    (`full_layer_quantization` / `full_layer_window`) and pipeline-parallel stages (`stage_layers`)."""
+    for index, (kind, layer) in enumerate(zip(cache.layer_kinds, cache.layers)):
+        if kind == "other_stage":
+            raise ValueError(
+                f"Cannot {action} a pipeline-parallel stage's cache (layer {index} runs on another stage): the format "
+                f"holds whole caches. Keep each stage's prefix in memory (`copy.deepcopy(cache)`) instead."
+            )
+        if kind in (SLIDING, FULL) and not isinstance(layer, _EXACT_STORAGE):
+            raise ValueError(
+                f"Cannot {action} layer {index}: it is a {type(layer).__name__} (full_layer_quantization / "
+                f"full_layer_window), which save / load / checkpoint do not support yet. Use exact storage (the "
+                f"default) for prefix caches, or `copy.deepcopy(cache)` to keep a copy in memory."
+            )
+
+
 def save_cache(cache: HybridRingCache, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
     """Write `cache` to one safetensors file at `path` (see `HybridRingCache.save`)."""
+    _check_exact_storage(cache, "save")
     path = Path(os.fspath(path))
     header = _user_metadata(metadata)
     tensors: dict[str, torch.Tensor] = {}
@@ -559,6 +587,7 @@ def _collect_write_floors(cache: HybridRingCache) -> None:
 
 def take_checkpoint(cache: HybridRingCache) -> CacheCheckpoint:
     """See `HybridRingCache.checkpoint`."""
+    _check_exact_storage(cache, "checkpoint")
     _collect_write_floors(cache)
     states, contents = [], []
     for kind, layer in zip(cache.layer_kinds, cache.layers):
