@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every benchmark behind the tables of docs/benchmarks.md and the README's results, one after the other, each logged
-# with the load average before and after it. Run it on a quiet machine (nothing else running): about 35 minutes on 2
-# CPU cores, of which ~17 for the 16384-token prefills (ONLY="decode_real prefill_4096 ..." runs a subset).
+# with the load average before and after it. Run it on a quiet machine (nothing else running): about 25 minutes on 2
+# CPU cores, of which ~12.5 for the 16384-token prefills (ONLY="decode_real prefill_4096 ..." runs a subset).
 # Outputs in $OUT (default out/bench): <name>.log and <name>.json per run; plots in docs/img/.
 #
 #   bash benchmarks/run_all.sh
