@@ -27,6 +27,7 @@ loaded with ``dequantize=True`` -- after which the stock ``save_pretrained`` wor
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -191,13 +192,33 @@ def _check_gemma3_270m_config(config: Any) -> list[str]:
     return fixes
 
 
+@contextlib.contextmanager
+def _gguf_bar_only_on_a_terminal() -> Iterator[None]:
+    """transformers' GGUF reader shows a raw `tqdm` bar; redirected to a file or a pipe (CI, `| tee`) its carriage
+    returns glue ~10 updates into one long line. Off the terminal, the conversion's own start / end lines say enough."""
+    import sys
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    if not sys.stderr.isatty():
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def _convert_gguf(gguf_path: Path, gguf_sha256: str, out_dir: Path, fix_default_config: bool = False) -> None:
     """Load a GGUF with transformers (slow) and save it as a plain checkpoint in ``out_dir`` (atomically)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     logger.warning("converting %s to a transformers checkpoint in %s (one-off, ~1 min)", gguf_path, out_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    with _gguf_bar_only_on_a_terminal():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if not _make_serializable(model):
         raise RuntimeError(f"{gguf_path}: weights are kept quantized by transformers; cannot convert to a checkpoint")
