@@ -23,9 +23,11 @@ pytestmark = [
 
 
 @pytest.fixture(autouse=True)
-def _static_shapes(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
-    yield
+def _static_shapes():
+    # torch's own scoped config patch (monkeypatch would delete the entry on undo: config modules keep their values
+    # outside `__dict__`, so it sees nothing to restore and every later compile fails).
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        yield
     torch._dynamo.reset()
 
 
