@@ -25,11 +25,15 @@ __all__ = [
 
 # `ring` = HybridRingCache(config); `dynamic` = DynamicCache(config=config); `static` = StaticCache(config, max_len).
 # `ring-<mode>`: the ring with compressed full-attention layers (`HybridRingCache(config,
-# full_layer_quantization=<mode>)`; `-rot` adds the Hadamard rotation). `ring-stream`: the ring with bounded full
+# full_layer_quantization=<mode>)`; `-rot` adds the Hadamard rotation, `-nocal` turns the key calibration off: the
+# design before it, kept for side-by-side runs). `ring-stream`: the ring with bounded full
 # layers (4 sinks + a 2044-token window: a 2048-token budget, so an 8192-token text streams through 4x its budget).
 # `ring-hf-fp8`: the alternative we did not pick, for side-by-side comparisons: the ring with transformers' own
 # `Fp8QuantizedLayer` as full layers (per-tensor scale frozen at the first update; not croppable, not compileable).
-QUANTIZED_CACHES = {"ring-int8": "int8", "ring-int4": "int4", "ring-fp8": "fp8", "ring-int4-rot": "int4"}
+QUANTIZED_CACHES = {
+    "ring-int8": "int8", "ring-int4": "int4", "ring-fp8": "fp8", "ring-int4-rot": "int4",
+    "ring-int8-nocal": "int8", "ring-int4-nocal": "int4",
+}
 STREAM_SINK_TOKENS, STREAM_WINDOW = 4, 2044
 CACHE_NAMES = ("ring", "dynamic", "static", *QUANTIZED_CACHES, "ring-stream", "ring-hf-fp8")
 # The caches whose results must equal a no-cache forward (the others are approximate by design).
@@ -57,7 +61,8 @@ def make_cache(name: str, model_or_config: Any, max_cache_len: int, *, compileab
         return HybridRingCache(config, max_cache_len=fixed)
     if name in QUANTIZED_CACHES:
         return HybridRingCache(config, max_cache_len=fixed, full_layer_quantization=QUANTIZED_CACHES[name],
-                               full_layer_rotation=name.endswith("-rot"))
+                               full_layer_rotation=name.endswith("-rot"),
+                               full_layer_key_calibration=not name.endswith("-nocal"))
     if name == "ring-stream":
         if compileable:
             raise ValueError("ring-stream (bounded full layers) has no compileable mode; time it without --compile.")

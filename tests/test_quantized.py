@@ -152,8 +152,9 @@ def representable(values: list[list[int]], mode: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_layer_returns_exact_contents_through_prefill_decode_crop_and_beams(mode):
-    """prefill [1,2,3]; decode 4, 5 -> [1..5]; crop(-2) -> [1,2,3]; decode 9 -> [1,2,3,9]; reorder beams."""
-    layer = QuantizedFullLayer(mode, DequantWorkspace(), group_size=4)
+    """prefill [1,2,3]; decode 4, 5 -> [1..5]; crop(-2) -> [1,2,3]; decode 9 -> [1,2,3,9]; reorder beams.
+    (Uncalibrated: the representable values are those of the plain codec; calibration is tested below.)"""
+    layer = QuantizedFullLayer(mode, DequantWorkspace(), group_size=4, key_calibration=False)
 
     def step(ids):
         data = representable([[i] for i in ids], mode).expand(2, 1, -1, -1).clone()
@@ -188,9 +189,85 @@ def test_step_tokens_are_returned_exact_history_dequantized(mode):
     assert torch.equal(keys, first) and torch.equal(values, first * 2)
     keys, values = layer.update(second, second)
     quantizer = KVQuantizer(mode, 16, group_size=8)
-    assert torch.equal(keys[:, :, :5], quantizer.roundtrip(first))
+    assert torch.equal(keys[:, :, :5], quantizer.roundtrip(first, KVQuantizer.calibrate(first)))
     assert torch.equal(keys[:, :, 5:], second)
-    assert torch.equal(values[:, :, :5], quantizer.roundtrip(first * 2))
+    assert torch.equal(values[:, :, :5], quantizer.roundtrip(first * 2))  # values: no calibration
+
+
+def gemma_like_keys(seed: int, shape=(2, 1, 64, 64)) -> torch.Tensor:
+    """Keys with what makes Gemma's hard to quantize per token: channels with a large constant offset and a few
+    with a large spread (the real model: |k| up to 100 against a median channel RMS of 1-2)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator)
+    x[..., :4] = x[..., :4] * 3 + 40
+    x[..., 10:12] *= 25
+    return x
+
+
+def test_calibration_formula():
+    x = gemma_like_keys(0)
+    shift, scale = KVQuantizer.calibrate(x)
+    assert shift.shape == scale.shape == (2, 1, 1, 64)
+    torch.testing.assert_close(shift, x.mean(dim=-2, keepdim=True))
+    spread = x.std(dim=-2, unbiased=False, keepdim=True)
+    floor = spread.mean(dim=-1, keepdim=True) * 0.2
+    torch.testing.assert_close(scale, torch.maximum(spread, floor))
+    # A one-token sample has no spread: scale 1 (the codes are those of x - shift), never a division by zero.
+    shift, scale = KVQuantizer.calibrate(x[:, :, :1])
+    assert torch.equal(scale, torch.ones_like(scale)) and torch.equal(shift, x[:, :, :1])
+    codes, scales = KVQuantizer("int8", 64, 16).quantize(x[:, :, :1], (shift, scale))
+    assert torch.equal(codes, torch.zeros_like(codes))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_calibration_lowers_the_error_on_offset_and_outlier_channels(mode):
+    """Calibrated on the first 16 tokens, measured on all 64: the error must drop several-fold where the per-token
+    codec is weak. Integer codes: on the ordinary channels (one scale per 64 channels is set by the outliers
+    otherwise). fp8 (relative precision per element): on the offset channels (40 +- 3 is coded at the precision of
+    40 otherwise)."""
+    x = gemma_like_keys(1)
+    quantizer = KVQuantizer(mode, 64)
+    calibration = KVQuantizer.calibrate(x[:, :, :16])
+    channels = slice(0, 4) if mode == "fp8" else slice(12, None)
+    plain = (quantizer.roundtrip(x) - x)[..., channels].norm()
+    calibrated = (quantizer.roundtrip(x, calibration) - x)[..., channels].norm()
+    assert calibrated < plain / 3
+    assert (quantizer.roundtrip(x, calibration) - x).norm() < (quantizer.roundtrip(x) - x).norm() / 1.9
+
+
+def test_calibration_is_per_row_moves_with_the_rows_and_is_redone_when_empty():
+    layer = QuantizedFullLayer("int4", DequantWorkspace(), group_size=16)
+    x = gemma_like_keys(2)
+    x[1] = x[1] * 0.1 - 7  # the second row has other statistics
+    layer.update(x, x)
+    shift, scale = KVQuantizer.calibrate(x)
+    assert torch.equal(layer._calibration["keys"][0], shift) and torch.equal(layer._calibration["keys"][1], scale)
+    step = gemma_like_keys(3, (2, 1, 1, 64))
+    before = layer.update(step, step)[0].clone()  # (returned tensors are workspace views, reused by the next update)
+    layer.crop(-1)
+    layer.reorder_cache(torch.tensor([1, 0]))
+    after, _ = layer.update(step, step)
+    assert torch.equal(after[:, :, :64], before[:, :, :64].flip(0))  # codes, scales and calibration moved together
+    layer.batch_repeat_interleave(2)
+    layer.batch_select_indices(torch.tensor([2, 1]))
+    after_select, _ = layer.update(step, step)
+    assert torch.equal(after_select[:, :, :64], before[:, :, :64])
+    # Empty again (crop to 0, or reset): the next prompt calibrates afresh.
+    for empty in (lambda: layer.crop(-layer.get_seq_length()), layer.reset):
+        empty()
+        fresh = gemma_like_keys(4) * 2 + 1
+        layer.update(fresh, fresh)
+        assert torch.equal(layer._calibration["keys"][0], KVQuantizer.calibrate(fresh)[0])
+
+
+def test_calibration_can_be_turned_off():
+    x = gemma_like_keys(5)
+    cache = HybridRingCache(get_model("gemma3").config, full_layer_quantization="int8",
+                            full_layer_key_calibration=False)
+    cache.update(x, x, 5)
+    keys, _ = cache.update(x[:, :, :1], x[:, :, :1], 5)
+    assert torch.equal(keys[:, :, :64], KVQuantizer("int8", 64).roundtrip(x))
+    assert cache.layers[5]._calibration == {}
 
 
 def test_workspace_is_shared_and_grows():
@@ -206,27 +283,50 @@ def test_workspace_is_shared_and_grows():
 
 # --- 3. the model: fake-quantized reference ---------------------------------------------------------------------------
 class FakeQuantFullLayer(GrowableFullLayer):
-    """Exact growing storage that returns `dequantize(quantize(history))` + this step's tokens: the oracle."""
+    """Exact growing storage that returns `dequantize(quantize(history))` + this step's tokens: the oracle.
 
-    def __init__(self, mode: str, rotate: bool = False):
+    Key calibration as specified: `KVQuantizer.calibrate` of the keys of the first update into the empty layer, per
+    batch row, moving with the rows (beams, repeats, selections); values uncalibrated.
+    """
+
+    def __init__(self, mode: str, rotate: bool = False, key_calibration: bool = True):
         super().__init__()
-        self.mode, self.rotate = mode, rotate
+        self.mode, self.rotate, self.key_calibration = mode, rotate, key_calibration
+        self.calibration = None
 
     def update(self, key_states, value_states, *args, **kwargs):
         start = self.cumulative_length
+        if start == 0 and self.key_calibration:
+            self.calibration = KVQuantizer.calibrate(key_states)
         keys, values = super().update(key_states, value_states)
         out = []
-        for stored, new in ((keys, key_states), (values, value_states)):
+        for stored, new, calibration in ((keys, key_states, self.calibration), (values, value_states, None)):
             quantizer = KVQuantizer(self.mode, new.shape[-1], rotate=self.rotate)
-            out.append(torch.cat([quantizer.roundtrip(stored[:, :, :start]), new], dim=-2))
+            out.append(torch.cat([quantizer.roundtrip(stored[:, :, :start], calibration), new], dim=-2))
         return out[0], out[1]
 
+    def _move_calibration(self, function):
+        if self.calibration is not None:
+            self.calibration = tuple(function(tensor) for tensor in self.calibration)
 
-def fake_quant_cache(model, mode: str, rotate: bool = False) -> HybridRingCache:
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        self._move_calibration(lambda tensor: tensor.index_select(0, beam_idx))
+
+    def batch_repeat_interleave(self, repeats):
+        super().batch_repeat_interleave(repeats)
+        self._move_calibration(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        super().batch_select_indices(indices)
+        self._move_calibration(lambda tensor: tensor[indices, ...])
+
+
+def fake_quant_cache(model, mode: str, rotate: bool = False, key_calibration: bool = True) -> HybridRingCache:
     cache = HybridRingCache(model.config)
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, GrowableFullLayer):
-            cache.layers[index] = FakeQuantFullLayer(mode, rotate)
+            cache.layers[index] = FakeQuantFullLayer(mode, rotate, key_calibration)
     return cache
 
 
@@ -380,13 +480,14 @@ def test_memory_report_counts_codes_and_scales(mode, dtype, limit):
     cache.update(keys, keys, 5)  # the full layer
     layer = cache.layers[5]
     report = cache.memory_report()
-    expected = 2 * 2 * 40 * (2 * layer.quantizers["keys"].bytes_per_token(keys.element_size()))
+    calibration_bytes = 2 * 2 * 2 * 256 * keys.element_size()  # key shift and scale per row, head and channel
+    expected = 2 * 2 * 40 * (2 * layer.quantizers["keys"].bytes_per_token(keys.element_size())) + calibration_bytes
     assert layer.nbytes() == expected == report.bytes_by_type["full_attention"]
     assert report.kv_bytes == kv_bytes_held(cache)
     assert report.workspace_bytes == 2 * 2 * 2 * 40 * 256 * keys.element_size()
     # The workspace is kept alive by the cache: part of what it holds in total.
     assert report.total_bytes == report.kv_bytes + report.workspace_bytes == report.kv_bytes + report.extra_bytes
-    assert expected / layer.uncompressed_bytes_per_token() / 40 <= limit
+    assert (expected - calibration_bytes) / layer.uncompressed_bytes_per_token() / 40 <= limit
     assert "dequant. workspace" in str(report)
 
 
@@ -426,3 +527,21 @@ def test_dynamic_cache_untouched():
     cache = DynamicCache(config=model.config)
     chunked_logits(model, cache, torch.randint(3, VOCAB, (1, 10)), [10])
     assert kv_bytes_held(cache) > 0
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_inference_mode_prefill_then_no_grad_decode(fixed):
+    """As pipelines fill caches: the codes, scales and key calibration allocated under `torch.inference_mode()` must
+    be writable afterwards under `no_grad` (generate), with the same logits as staying in inference mode."""
+    model = get_model("gemma3")
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
+    kwargs = {"full_layer_quantization": "int4", "max_cache_len": 40 if fixed else None}
+    logits = []
+    for switch in (False, True):
+        cache = HybridRingCache(model.config, **kwargs)
+        with torch.inference_mode():
+            model(input_ids=ids[:, :20], cache=cache, use_cache=True)
+        context = torch.no_grad() if switch else torch.inference_mode()
+        with context:
+            logits.append(chunked_logits(model, cache, ids, [1] * 10, start=20))
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
