@@ -313,6 +313,20 @@ class _StorageLayer(CacheLayerMixin):
             self.note_write(0)
 
 
+def prepare_fixed_capacity_step(layer: _StorageLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
+    """Eager checks before a fixed-capacity (`max_cache_len`) full layer's step: shapes / allocation, then capacity.
+    Returns the length after the step; raises `CacheCapacityError` (changing nothing) when it would not fit."""
+    layer._prepare(key_states, value_states)
+    end = layer.cumulative_length + key_states.shape[-2]
+    if end > layer.max_cache_len:
+        raise CacheCapacityError(
+            f"The full-attention layers were allocated for max_cache_len={layer.max_cache_len} tokens, but "
+            f"{end} are needed. Create the cache with a larger `max_cache_len` (prompt + max_new_tokens), or "
+            f"leave it unset for storage that grows."
+        )
+    return end
+
+
 def _resolve_crop_length(tokens_to_remove: int, length: int) -> int:
     """The length after `crop(tokens_to_remove)`: negative removes tokens (transformers' convention), positive is the
     legacy "length to keep"; raises when that is not a length the cache has."""
@@ -323,6 +337,32 @@ def _resolve_crop_length(tokens_to_remove: int, length: int) -> int:
     if length + tokens_to_remove < 0:
         raise RollbackError(f"Cannot remove {-tokens_to_remove} tokens: only {length} are cached.")
     return length + tokens_to_remove
+
+
+class _UndoableStepLayer(_StorageLayer):
+    """A layer that may keep a copy to undo its last speculative step (`_undo`, while past recording is on) and
+    plans every crop with `_crop_plan` (raising before anything changes). Any batch reshuffle drops the copy: it was
+    kept in the old batch order, so a later rollback must not restore it."""
+
+    _undo = None
+
+    def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
+        raise NotImplementedError
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        self._crop_plan(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._undo = None
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._undo = None
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._undo = None
 
 
 class _StepUndo(NamedTuple):
@@ -337,7 +377,7 @@ class _StepUndo(NamedTuple):
     values: torch.Tensor
 
 
-class RingSlidingLayer(_StorageLayer):
+class RingSlidingLayer(_UndoableStepLayer):
     """A sliding-window layer stored as a ring of `sliding_window + rollback_margin` slots.
 
     A one-token step writes its key/value in place at slot `position % capacity` (no copy of the window, no `cat`,
@@ -576,9 +616,6 @@ class RingSlidingLayer(_StorageLayer):
             f"`cache.restore()` for longer rollbacks."
         )
 
-    def check_crop(self, tokens_to_remove: int) -> None:
-        self._crop_plan(tokens_to_remove)
-
     def crop(self, tokens_to_remove: int) -> None:
         """Roll back tokens (negative: how many, transformers' convention; positive: the length to keep), exactly or
         not at all: a refused crop raises `RollbackError` and changes nothing. Any crop resolves the last speculative
@@ -593,17 +630,6 @@ class RingSlidingLayer(_StorageLayer):
         self.cumulative_length, self._oldest = undo.oldest, undo.oldest
         self._write_newest(undo.keys[:, :, : new_length - undo.oldest], undo.values[:, :, : new_length - undo.oldest])
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._undo = None  # kept in the old batch order: a later rollback must not restore it
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._undo = None
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._undo = None
 
 
 class GrowableFullLayer(_StorageLayer):
@@ -708,14 +734,7 @@ class StaticFullLayer(_StorageLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         query_length = key_states.shape[-2]
         if not is_torchdynamo_compiling():  # shape checks read the counters: eager only
-            self._prepare(key_states, value_states)
-            end = self.cumulative_length + query_length
-            if end > self.max_cache_len:
-                raise CacheCapacityError(
-                    f"The full-attention layers were allocated for max_cache_len={self.max_cache_len} tokens, but "
-                    f"{end} are needed. Create the cache with a larger `max_cache_len` (prompt + max_new_tokens), or "
-                    f"leave it unset for storage that grows."
-                )
+            prepare_fixed_capacity_step(self, key_states, value_states)
         positions = self.length_tensor + torch.arange(query_length, device=self.device)
         self.note_write(self.length_tensor)
         self.keys.index_copy_(2, positions, key_states)

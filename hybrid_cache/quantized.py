@@ -47,7 +47,14 @@ import math
 import torch
 from transformers.utils import is_torchdynamo_compiling
 
-from .layers import GROWTH_FACTOR, CacheCapacityError, _mark_static, _StorageLayer, _tensor_counter, grown_capacity
+from .layers import (
+    GROWTH_FACTOR,
+    _mark_static,
+    _StorageLayer,
+    _tensor_counter,
+    grown_capacity,
+    prepare_fixed_capacity_step,
+)
 
 __all__ = [
     "QUANTIZATION_MODES",
@@ -503,14 +510,7 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         query_length = key_states.shape[-2]
         if not is_torchdynamo_compiling():  # shape checks read the counter: eager only
-            self._prepare(key_states, value_states)
-            end = self.cumulative_length + query_length
-            if end > self.max_cache_len:
-                raise CacheCapacityError(
-                    f"The full-attention layers were allocated for max_cache_len={self.max_cache_len} tokens, but "
-                    f"{end} are needed. Create the cache with a larger `max_cache_len` (prompt + max_new_tokens), or "
-                    f"leave it unset for storage that grows."
-                )
+            end = prepare_fixed_capacity_step(self, key_states, value_states)
             if end == query_length:  # an empty layer: calibrate in place (static addresses)
                 self._calibrate(key_states)
         positions = self.length_tensor + torch.arange(query_length, device=self.device)

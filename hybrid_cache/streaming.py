@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from .layers import RollbackError, _resolve_crop_length, _StorageLayer
+from .layers import RollbackError, _resolve_crop_length, _UndoableStepLayer
 from .mask_hook import RingLayout
 
 __all__ = ["SinkWindowFullLayer"]
@@ -39,7 +39,7 @@ class _StepUndo(NamedTuple):
     new_values: torch.Tensor
 
 
-class SinkWindowFullLayer(_StorageLayer):
+class SinkWindowFullLayer(_UndoableStepLayer):
     """A full-attention layer bounded to `sink_tokens` + `window` tokens (approximate; see the module docstring).
 
     Args:
@@ -206,9 +206,6 @@ class SinkWindowFullLayer(_StorageLayer):
             f"`cache.activate_past_recording()` before the speculative step."
         )
 
-    def check_crop(self, tokens_to_remove: int) -> None:
-        self._crop_plan(tokens_to_remove)
-
     def crop(self, tokens_to_remove: int) -> None:
         """Roll back tokens exactly (the window the next query sees is what it would have been without them), or
         raise `RollbackError` changing nothing; positive values are the legacy "length to keep". Any crop releases
@@ -237,15 +234,3 @@ class SinkWindowFullLayer(_StorageLayer):
         kept = [] if undo is None else [t for t in undo[2:] if t is not None]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
         return super().extra_nbytes() + sum(storages.values())
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._undo = None  # saved in the old batch order: a later rollback must not restore it
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._undo = None
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._undo = None
