@@ -340,17 +340,62 @@ def _resolve_crop_length(tokens_to_remove: int, length: int) -> int:
 
 
 class _UndoableStepLayer(_StorageLayer):
-    """A layer that may keep a copy to undo its last speculative step (`_undo`, while past recording is on) and
-    plans every crop with `_crop_plan` (raising before anything changes). Any batch reshuffle drops the copy: it was
-    kept in the old batch order, so a later rollback must not restore it."""
+    """A layer whose slots are overwritten in place (a ring), and which may therefore keep a copy to undo its last
+    speculative step (`_undo`, while past recording is on). Every crop is planned first by `_crop_plan` (raising
+    before anything changes) and then applied, undoing the kept step through `_undo_step` where the plan says so.
+    Any batch reshuffle drops the copy: it was kept in the old batch order, so a later rollback must not restore it.
+
+    Subclasses keep `_oldest` (the lowest overwritable position still held) and `max_slots` (slots allocated).
+    """
 
     _undo = None
 
     def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
+        """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise changing nothing."""
         raise NotImplementedError
+
+    def _undo_step(self, undo: NamedTuple, new_length: int) -> None:
+        """Restore the state before the kept step `undo`, then rewrite its first tokens up to `new_length`."""
+        raise NotImplementedError
+
+    def activate_past_recording(self) -> None:
+        """Called by assisted / prompt-lookup decoding before steps that may be rolled back with `crop(-n)`.
+
+        While recording, a multi-token step that overwrites slots keeps what is needed to undo it (for rings, the
+        time-ordered window it returns, a `cat` it makes anyway) until the next `update` or `crop`, so `crop` can
+        undo any part of that step exactly without growing the storage. Rollback of tokens from earlier steps is
+        limited to `rollback_margin + 1` tokens.
+        """
+        self.record_past = True
+
+    def deactivate_past_recording(self) -> None:
+        """Stop recording and release the kept step (see `HybridRingCache.deactivate_past_recording`)."""
+        self.record_past = False
+        self._undo = None
+
+    def get_max_length(self) -> int:
+        return self.max_slots
+
+    def reset(self) -> None:
+        super().reset()
+        self._oldest = 0
+        self.record_past = False
+        self._undo = None
 
     def check_crop(self, tokens_to_remove: int) -> None:
         self._crop_plan(tokens_to_remove)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back tokens (negative: how many, transformers' convention; positive: the length to keep), exactly or
+        not at all: a refused crop raises `RollbackError` and changes nothing. Any crop resolves the last speculative
+        step, so the copy kept to undo it is released."""
+        new_length, undo_step = self._crop_plan(tokens_to_remove)
+        undo, self._undo = self._undo, None
+        if not undo_step:
+            self.cumulative_length = new_length
+            return
+        self._make_writable()
+        self._undo_step(undo, new_length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -426,20 +471,6 @@ class RingSlidingLayer(_UndoableStepLayer):
         # Short sequences never need the whole window: start at the first step's size and grow (while the ring is
         # still in time order) up to `max_slots`, so a 60-token chat holds 60 slots, not 512.
         self._allocate(key_states, value_states, min(self.max_slots, key_states.shape[-2]))
-
-    def activate_past_recording(self) -> None:
-        """Called by assisted / prompt-lookup decoding before steps that may be rolled back with `crop(-n)`.
-
-        While recording, a wrapped multi-token step keeps the time-ordered window it returns (a `cat` it makes
-        anyway) until the next `update` or `crop`, so `crop` can undo any part of that step exactly without growing
-        the ring. Rollback of tokens from earlier steps is limited to `rollback_margin + 1` tokens.
-        """
-        self.record_past = True
-
-    def deactivate_past_recording(self) -> None:
-        """Stop recording and release the kept window (see `HybridRingCache.deactivate_past_recording`)."""
-        self.record_past = False
-        self._undo = None
 
     # --- layout -------------------------------------------------------------------------------------------------
     def _is_time_ordered(self, query_length: int) -> bool:
@@ -578,9 +609,6 @@ class RingSlidingLayer(_UndoableStepLayer):
         self._oldest = max(self._oldest, self.cumulative_length - self.max_slots)
 
     # --- protocol -------------------------------------------------------------------------------------------------
-    def get_max_length(self) -> int:
-        return self.max_slots
-
     def extra_nbytes(self) -> int:
         """Counters plus the window kept for undoing the last speculative step (while recording past)."""
         undo = self._undo
@@ -590,9 +618,6 @@ class RingSlidingLayer(_UndoableStepLayer):
 
     def reset(self) -> None:
         super().reset()
-        self._oldest = 0
-        self.record_past = False
-        self._undo = None
         self._returned = ("range", 0, 0)
 
     def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
@@ -616,20 +641,10 @@ class RingSlidingLayer(_UndoableStepLayer):
             f"`cache.restore()` for longer rollbacks."
         )
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Roll back tokens (negative: how many, transformers' convention; positive: the length to keep), exactly or
-        not at all: a refused crop raises `RollbackError` and changes nothing. Any crop resolves the last speculative
-        step, so the window kept to undo it is released."""
-        new_length, undo_step = self._crop_plan(tokens_to_remove)
-        undo, self._undo = self._undo, None
-        if not undo_step:
-            self.cumulative_length = new_length
-            return
-        self._make_writable()
+    def _undo_step(self, undo: _StepUndo, new_length: int) -> None:
         # Rewrite positions [oldest, new_length) from the step's time-ordered window; the newest `capacity` stay.
         self.cumulative_length, self._oldest = undo.oldest, undo.oldest
         self._write_newest(undo.keys[:, :, : new_length - undo.oldest], undo.values[:, :, : new_length - undo.oldest])
-
 
 
 class GrowableFullLayer(_StorageLayer):

@@ -79,10 +79,6 @@ class SinkWindowFullLayer(_UndoableStepLayer):
         self._allocate(key_states, value_states, self.max_slots)
         self._slot_ids = torch.arange(self.ring_slots, device=self.device)
 
-    def activate_past_recording(self) -> None:
-        """Keep the last multi-token step undoable by `crop` (assisted / prompt-lookup decoding)."""
-        self.record_past = True
-
     # --- layout ---------------------------------------------------------------------------------------------------
     def _step_kind(self, query_length: int) -> str:
         length = self.cumulative_length
@@ -182,15 +178,6 @@ class SinkWindowFullLayer(_UndoableStepLayer):
         self._oldest = max(self._oldest, self.cumulative_length - self.ring_slots)
 
     # --- protocol -------------------------------------------------------------------------------------------------
-    def get_max_length(self) -> int:
-        return self.max_slots
-
-    def reset(self) -> None:
-        super().reset()
-        self._oldest = 0
-        self.record_past = False
-        self._undo = None
-
     def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
         """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise `RollbackError` changing
         nothing: exact when the window the next query sees is still held, or from the last recorded step."""
@@ -206,16 +193,7 @@ class SinkWindowFullLayer(_UndoableStepLayer):
             f"`cache.activate_past_recording()` before the speculative step."
         )
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Roll back tokens exactly (the window the next query sees is what it would have been without them), or
-        raise `RollbackError` changing nothing; positive values are the legacy "length to keep". Any crop releases
-        the kept step."""
-        new_length, undo_step = self._crop_plan(tokens_to_remove)
-        undo, self._undo = self._undo, None
-        if not undo_step:
-            self.cumulative_length = new_length
-            return
-        self._make_writable()
+    def _undo_step(self, undo: _StepUndo, new_length: int) -> None:
         if undo.held_keys is not None:
             self.keys.copy_(undo.held_keys)
             self.values.copy_(undo.held_values)
@@ -223,10 +201,6 @@ class SinkWindowFullLayer(_UndoableStepLayer):
         kept = new_length - undo.length
         if kept:
             self._write_newest(undo.new_keys[:, :, :kept], undo.new_values[:, :, :kept])
-
-    def deactivate_past_recording(self) -> None:
-        self.record_past = False
-        self._undo = None
 
     def extra_nbytes(self) -> int:
         """Counters plus what is kept to undo the last speculative step (while recording past)."""
