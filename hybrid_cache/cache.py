@@ -490,11 +490,8 @@ class HybridRingCache(Cache):
             report.bytes_by_type[kind] = report.bytes_by_type.get(kind, 0) + held
             report.layers_by_type[kind] = report.layers_by_type.get(kind, 0) + 1
             report.slots_by_type.setdefault(kind, []).append(getattr(layer, "capacity", 0))
-            if isinstance(layer, QuantizedFullLayer) and layer.is_initialized:
+            if getattr(layer, "is_initialized", False) and hasattr(layer, "uncompressed_bytes_per_token"):
                 report.full_cache_bytes += layer.uncompressed_bytes_per_token() * tokens
-            elif getattr(layer, "is_initialized", False) and layer.keys is not None and hasattr(layer, "batch_size"):
-                per_token = layer.batch_size * layer.num_heads * (layer.k_head_dim + layer.v_head_dim)
-                report.full_cache_bytes += per_token * layer.keys.element_size() * tokens
         return report
 
     # --- persistence and snapshots (the logic lives in snapshot.py) ------------------------------------------------

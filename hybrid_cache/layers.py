@@ -238,10 +238,13 @@ class _StorageLayer(CacheLayerMixin):
         return self.keys.shape[-2] if self.is_initialized else 0
 
     def nbytes(self) -> int:
-        """Bytes held by this layer's key and value storage (what is actually allocated)."""
-        if not self.is_initialized:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        """Bytes held by this layer's storage tensors (what is actually allocated)."""
+        return sum(t.numel() * t.element_size() for t in self.storage_tensors())
+
+    def uncompressed_bytes_per_token(self) -> int:
+        """Bytes per token of this layer's keys and values stored exactly in the model dtype (`memory_report`'s
+        full-cache comparison)."""
+        return self.batch_size * self.num_heads * (self.k_head_dim + self.v_head_dim) * self.dtype.itemsize
 
     def extra_nbytes(self) -> int:
         """Bytes of everything else the layer keeps alive (counters, rollback copies); see `RingSlidingLayer`."""
@@ -275,8 +278,7 @@ class _StorageLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
             beam_idx = beam_idx.to(self.device)
-            self.keys = self.keys.index_select(0, beam_idx)
-            self.values = self.values.index_select(0, beam_idx)
+            self._map_storage(lambda tensor: tensor.index_select(0, beam_idx))
             self.note_write(0)
 
     def _reorder_in_place(self, beam_idx: torch.LongTensor) -> None:
@@ -284,8 +286,8 @@ class _StorageLayer(CacheLayerMixin):
         if self.is_initialized:
             self._make_writable()
             beam_idx = beam_idx.to(self.device)
-            self.keys.copy_(self.keys.index_select(0, beam_idx))
-            self.values.copy_(self.values.index_select(0, beam_idx))
+            for tensor in self.storage_tensors():
+                tensor.copy_(tensor.index_select(0, beam_idx))
             self.note_write(0)
 
     def check_crop(self, tokens_to_remove: int) -> None:
@@ -300,16 +302,14 @@ class _StorageLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self.keys = self.keys.repeat_interleave(repeats, dim=0)
-            self.values = self.values.repeat_interleave(repeats, dim=0)
-            self.batch_size = self.keys.shape[0]
+            self._map_storage(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+            self.batch_size = self.storage_tensors()[0].shape[0]
             self.note_write(0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self.keys = self.keys[indices, ...]
-            self.values = self.values[indices, ...]
-            self.batch_size = self.keys.shape[0]
+            self._map_storage(lambda tensor: tensor[indices, ...])
+            self.batch_size = self.storage_tensors()[0].shape[0]
             self.note_write(0)
 
 

@@ -351,23 +351,15 @@ class QuantizedFullLayer(_StorageLayer):
         return self._codes["keys"].shape[-2] if self.is_initialized else 0
 
     def storage_tensors(self) -> list[torch.Tensor]:
-        """Every tensor this layer holds: codes and scales of keys and values, then the key calibration."""
+        """Every tensor this layer holds: codes and scales of keys and values, then the key calibration (two
+        `head_dim` vectors per row and head, whatever the length); `nbytes` counts them all, the cache counts the
+        shared workspace."""
         if not self.is_initialized:
             return []
         return [*self._codes.values(), *self._scales.values(), *self._calibration_tensors()]
 
     def _calibration_tensors(self) -> list[torch.Tensor]:
         return [tensor for pair in self._calibration.values() for tensor in pair]
-
-    def nbytes(self) -> int:
-        """Bytes of compressed storage allocated: codes + scales, and the key calibration (two `head_dim` vectors
-        per row and head, whatever the length); the shared workspace is counted by the cache."""
-        return sum(tensor.numel() * tensor.element_size() for tensor in self.storage_tensors())
-
-    def uncompressed_bytes_per_token(self) -> int:
-        """Bytes per token of the same keys/values stored exactly in the model dtype (for `memory_report`)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return self.batch_size * self.num_heads * (self.k_head_dim + self.v_head_dim) * element
 
     def _map_storage(self, function) -> None:
         for store in (self._codes, self._scales):
@@ -458,21 +450,6 @@ class QuantizedFullLayer(_StorageLayer):
     def get_max_length(self) -> int:
         return -1
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        # Codes and scales move together: a beam reorder is lossless (no dequantize / requantize round trip).
-        if self.is_initialized:
-            beam_idx = beam_idx.to(self.device)
-            self._map_storage(lambda tensor: tensor.index_select(0, beam_idx))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._map_storage(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
-            self.batch_size = self._codes["keys"].shape[0]
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._map_storage(lambda tensor: tensor[indices, ...])
-            self.batch_size = self._codes["keys"].shape[0]
 
 
 class StaticQuantizedFullLayer(QuantizedFullLayer):
@@ -538,8 +515,4 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
         return self.max_cache_len
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        # In place, to keep the static addresses that compiled graphs captured.
-        if self.is_initialized:
-            beam_idx = beam_idx.to(self.device)
-            for tensor in self.storage_tensors():
-                tensor.copy_(tensor.index_select(0, beam_idx))
+        self._reorder_in_place(beam_idx)

@@ -545,3 +545,23 @@ def test_inference_mode_prefill_then_no_grad_decode(fixed):
         with context:
             logits.append(chunked_logits(model, cache, ids, [1] * 10, start=20))
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_beam_reorder_right_after_an_inference_mode_prefill(mode):
+    """The fixed-capacity layer's in-place beam reorder is its first write after a prefill under
+    `torch.inference_mode()`: it must make the storage writable first (as the exact fixed layers do), and move codes,
+    scales and calibration together."""
+    model = get_model("gemma3")
+    ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
+    cache = HybridRingCache(model.config, full_layer_quantization=mode, max_cache_len=40)
+    reference = HybridRingCache(model.config, full_layer_quantization=mode, max_cache_len=40)
+    with torch.inference_mode():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    with torch.no_grad():
+        model(input_ids=ids.flip(0), cache=reference, use_cache=True)
+        cache.reorder_cache(torch.tensor([1, 0]))
+        step = torch.randint(3, VOCAB, (2, 1), generator=torch.Generator().manual_seed(6))
+        logits = model(input_ids=step, cache=cache, use_cache=True).logits
+        expected = model(input_ids=step, cache=reference, use_cache=True).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
