@@ -113,10 +113,14 @@ def make_cache(name: str, model: Any, max_tokens: int) -> Any:
     return None if name == "none" else compare.make_cache(name, model, max_tokens)
 
 
-def _lm_head_and_softcap(model: Any) -> tuple[torch.nn.Module, float | None]:
-    head = model.get_output_embeddings()
+def final_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits of `[n, hidden_size]` final hidden states, as the model's forward computes them (its output
+    embeddings, then `final_logit_softcapping` when the config sets it)."""
+    logits = model.get_output_embeddings()(hidden).float()
     softcap = getattr(text_config(model), "final_logit_softcapping", None)
-    return head, softcap
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
 
 
 @torch.inference_mode()
@@ -132,12 +136,9 @@ def sliced_nll(model: Any, hidden: torch.Tensor, targets: torch.Tensor, slice_si
     Returns:
         The summed negative log-likelihood in nats, accumulated in float64.
     """
-    head, softcap = _lm_head_and_softcap(model)
     total = 0.0
     for s in range(0, hidden.shape[0], slice_size):
-        logits = head(hidden[s : s + slice_size]).float()
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
+        logits = final_logits(model, hidden[s : s + slice_size])
         total += torch.nn.functional.cross_entropy(
             logits, targets[s : s + slice_size].to(logits.device), reduction="sum"
         ).item()

@@ -22,19 +22,15 @@ from typing import Any
 
 import torch
 
-from .compare import kv_bytes_held, peak_rss_bytes, text_config
-from .perplexity import PerplexityResult, make_cache
+from .compare import kv_bytes_held, peak_rss_bytes
+from .perplexity import PerplexityResult, final_logits, make_cache
 
 __all__ = ["evaluate_against_reference", "plot_quality"]
 
 
 def _log_probs(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """`[n, vocab]` float32 log-probabilities of `[n, hidden]` final hidden states (LM head + soft-capping)."""
-    logits = model.get_output_embeddings()(hidden).float()
-    softcap = getattr(text_config(model), "final_logit_softcapping", None)
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return torch.log_softmax(logits, dim=-1)
+    """`[n, vocab]` float32 log-probabilities of `[n, hidden]` final hidden states."""
+    return torch.log_softmax(final_logits(model, hidden), dim=-1)
 
 
 @torch.inference_mode()
