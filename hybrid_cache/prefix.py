@@ -199,19 +199,17 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def _loadavg() -> list[float] | None:
-    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-
-
 def run_bench(model: Any, tokenizer: Any, *, prefix_tokens: int, question_tokens: int, repeats: int,
               workdir: Path, text: str | None = None, warmup: int = 1) -> dict[str, Any]:
     """The TTFT benchmark (see the module docstring); returns everything measured, for the JSON."""
+    from .bench.machine import loadavg  # the benchmark harness's reading (imported only when benchmarking)
+
     ids, description = _tokenize_text(tokenizer, text)
     if ids.shape[1] < prefix_tokens + question_tokens:
         raise ValueError(f"the text has {ids.shape[1]} tokens, fewer than {prefix_tokens} + {question_tokens}")
     prefix, input_ids = ids[:, :prefix_tokens], ids[:, : prefix_tokens + question_tokens]
     path = workdir / "prefix.safetensors"
-    loadavg_start = _loadavg()
+    loadavg_start = loadavg()
 
     started = time.perf_counter()
     cache = build_prefix(model, prefix)
@@ -261,7 +259,7 @@ def run_bench(model: Any, tokenizer: Any, *, prefix_tokens: int, question_tokens
         "torch_threads": torch.get_num_threads(),
         "nproc": os.cpu_count(),
         "loadavg_start": loadavg_start,
-        "loadavg_end": _loadavg(),
+        "loadavg_end": loadavg(),
         "ttft": summary,
         "warm_over_cold_median": summary["warm_file"]["median_ms"] / summary["cold"]["median_ms"],
         "warm_over_cold_min": summary["warm_file"]["min_ms"] / summary["cold"]["min_ms"],
