@@ -12,7 +12,10 @@ in a user cache directory::
 
 ``manifest.json`` is written last and records the GGUF sha256, the transformers version and the size of every
 file; a checkpoint whose manifest is missing, stale (other transformers version) or does not match the files on
-disk is rebuilt, as is one that fails to load.
+disk is rebuilt, as is one that fails to load with the default arguments. The arguments of :func:`load_model`
+(``dtype``, ``device``, ``attn_implementation``) are checked first -- the names, then transformers' own checks on the
+model built on the meta device -- so a wrong or unusable argument raises one ``ValueError`` and never touches the
+cache; a load that fails with the caller's arguments but succeeds with the defaults re-raises the caller's error.
 
 Why ``save_pretrained`` needs help: a GGUF-loaded model carries a ``GgufHfQuantizer`` (``model.hf_quantizer``)
 and a ``quantization_config`` with ``quant_method="gguf"``; ``GgufHfQuantizer.is_serializable()`` returns
@@ -90,13 +93,75 @@ def _sha256_file(path: Path) -> str:
 
 
 def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype {dtype} is not a floating-point dtype; pass torch.float32, torch.bfloat16 or "
+                             "torch.float16 (or one of their names)")
+        return dtype
     if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(names)}")
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(names)} or a floating torch.dtype")
     return names[dtype]
+
+
+def _parse_device(device: str | torch.device) -> torch.device:
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r} ({exc}); pass e.g. 'cpu', 'cuda' or 'cuda:0'") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch has no CUDA device here (torch {torch.__version__}); pass 'cpu'")
+    return parsed
+
+
+def _attention_names() -> list[str]:
+    """The attention backends this transformers knows by name (whether or not they can run here)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    keys = getattr(ALL_ATTENTION_FUNCTIONS, "valid_keys", None)
+    known = list(keys()) if callable(keys) else list(ALL_ATTENTION_FUNCTIONS.keys())
+    return list(dict.fromkeys(["eager", "paged|eager", *known]))
+
+
+def _check_attn_implementation(attn_implementation: str | None) -> None:
+    """Reject a name transformers does not know (a typo) before anything is loaded or converted."""
+    if attn_implementation is None:
+        return  # transformers' own default
+    if not isinstance(attn_implementation, str):
+        raise ValueError(f"attn_implementation must be a string such as 'sdpa' or 'eager', got "
+                         f"{type(attn_implementation).__name__} {attn_implementation!r}")
+    try:
+        from transformers.integrations.hub_kernels import is_kernel
+    except ImportError:  # pragma: no cover - depends on the transformers version
+        def is_kernel(name: str) -> bool:
+            return "/" in name
+    names = _attention_names()
+    if attn_implementation not in names and not is_kernel(attn_implementation):
+        raise ValueError(f"unknown attn_implementation {attn_implementation!r}; transformers "
+                         f"{_transformers_version()} knows {', '.join(repr(n) for n in names)} (default 'sdpa')")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _check_model_accepts(config: Any, kwargs: dict[str, Any]) -> None:
+    """Build the model of `config` on the meta device (no memory, no weights read, well under a second) with the
+    caller's `dtype` and `attn_implementation`: transformers runs its own checks there (e.g. flash-attn installed,
+    the model supports the backend). A failure is the arguments' fault, raised as one ValueError."""
+    from transformers import AutoModelForCausalLM
+
+    attn = kwargs.get("attn_implementation")
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config, dtype=kwargs["dtype"], attn_implementation=attn)
+    except (ValueError, ImportError, RuntimeError, NotImplementedError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise ValueError(f"cannot load the model with attn_implementation={attn!r}, dtype={kwargs['dtype']}: "
+                         f"{reason} Use attn_implementation='sdpa' (the default) or 'eager'.") from None
 
 
 def default_gguf_path() -> tuple[Path, str]:
@@ -243,32 +308,79 @@ def _convert_gguf(gguf_path: Path, gguf_sha256: str, out_dir: Path, fix_default_
     logger.warning("converted in %.1f s", time.perf_counter() - t0)
 
 
-def _load_converted_gguf(gguf_path: Path, gguf_sha256: str | None, *, fix_default_config: bool = False,
-                         **kwargs: Any) -> tuple[Any, Any]:
-    if gguf_sha256 is None:
-        gguf_sha256 = _sha256_file(gguf_path)
-    out_dir = cache_home() / "converted" / f"{gguf_path.stem}-{gguf_sha256[:16]}"
-    if not _converted_is_valid(out_dir, gguf_sha256):
-        _convert_gguf(gguf_path, gguf_sha256, out_dir, fix_default_config)
-    try:
-        return _load_dir(out_dir, fix_default_config=fix_default_config, **kwargs)
-    except Exception as exc:  # corrupt despite a valid-looking manifest (e.g. bytes flipped): rebuild once
-        logger.warning("cached conversion %s failed to load (%s); rebuilding it", out_dir, exc)
-        _convert_gguf(gguf_path, gguf_sha256, out_dir, fix_default_config)
-        return _load_dir(out_dir, fix_default_config=fix_default_config, **kwargs)
+def _read_config(directory: str | Path, fix_default_config: bool, **hub_kwargs: Any) -> Any:
+    from transformers import AutoConfig
 
-
-def _load_dir(path: str | Path, *, dtype: torch.dtype, attn_implementation: str,
-              local_only: bool = True, fix_default_config: bool = False) -> tuple[Any, Any]:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    hub_kwargs = {"local_files_only": True} if local_only else {}
-    config = AutoConfig.from_pretrained(str(path), **hub_kwargs)
+    config = AutoConfig.from_pretrained(str(directory), **hub_kwargs)
     if fix_default_config:
         # Fix before the model is built: attention modules read e.g. layer_types / sliding_window at __init__.
         fixes = _check_gemma3_270m_config(config)
         if fixes:
             logger.warning("fixed the Gemma 3 270M config: %s", "; ".join(fixes))
+    return config
+
+
+def _default_config() -> Any | None:
+    """The embedded model's config from its official values, for checking the arguments before the one-off conversion
+    (None if this transformers cannot build it that way: the arguments are then checked right after converting)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model("gemma3_text", **_GEMMA3_270M_EXPECTED)
+    except Exception:  # pragma: no cover - depends on the transformers version
+        return None
+
+
+_DEFAULT_LOAD_KWARGS: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "eager"}
+
+
+def _load_converted_gguf(gguf_path: Path, gguf_sha256: str | None, *, fix_default_config: bool = False,
+                         **kwargs: Any) -> tuple[Any, Any]:
+    if gguf_sha256 is None:
+        gguf_sha256 = _sha256_file(gguf_path)
+    out_dir = cache_home() / "converted" / f"{gguf_path.stem}-{gguf_sha256[:16]}"
+    valid, config = _converted_is_valid(out_dir, gguf_sha256), None
+    if valid:
+        try:
+            config = _read_config(out_dir, fix_default_config, local_files_only=True)
+        except Exception as exc:  # a corrupt config.json is the conversion's fault: rebuild
+            logger.warning("cached conversion %s has an unreadable config (%s); rebuilding it", out_dir, exc)
+            valid = False
+    elif fix_default_config:
+        config = _default_config()
+    if config is not None:
+        _check_model_accepts(config, kwargs)  # the arguments' errors: raised before the cache is touched
+    if not valid:
+        _convert_gguf(gguf_path, gguf_sha256, out_dir, fix_default_config)
+        if config is None:
+            _check_model_accepts(_read_config(out_dir, fix_default_config, local_files_only=True), kwargs)
+    try:
+        return _load_dir(out_dir, fix_default_config=fix_default_config, **kwargs)
+    except Exception as exc:
+        if kwargs != _DEFAULT_LOAD_KWARGS and _loads_with_defaults(out_dir, fix_default_config):
+            raise  # the conversion is fine (it loads with the defaults): the caller's arguments are at fault
+        # corrupt despite a valid-looking manifest (e.g. bytes flipped): rebuild once
+        logger.warning("cached conversion %s failed to load (%s); rebuilding it", out_dir, exc)
+        _convert_gguf(gguf_path, gguf_sha256, out_dir, fix_default_config)
+        return _load_dir(out_dir, fix_default_config=fix_default_config, **kwargs)
+
+
+def _loads_with_defaults(directory: Path, fix_default_config: bool) -> bool:
+    """Whether the converted checkpoint in `directory` loads with float32 weights and eager attention."""
+    try:
+        _load_dir(directory, fix_default_config=fix_default_config, **_DEFAULT_LOAD_KWARGS)
+    except Exception:
+        return False
+    return True
+
+
+def _load_dir(path: str | Path, *, dtype: torch.dtype, attn_implementation: str,
+              local_only: bool = True, fix_default_config: bool = False) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hub_kwargs = {"local_files_only": True} if local_only else {}
+    config = _read_config(path, fix_default_config, **hub_kwargs)
+    _check_model_accepts(config, {"dtype": dtype, "attn_implementation": attn_implementation})
     model = AutoModelForCausalLM.from_pretrained(
         str(path), config=config, dtype=dtype, attn_implementation=attn_implementation, **hub_kwargs
     )
@@ -326,16 +438,22 @@ def load_model(
             it is in the local Hub cache or the Hub is reachable).
         dtype: parameter dtype (``torch.float32`` or a name such as ``"bfloat16"``).
         device: device to move the model to.
-        attn_implementation: transformers attention backend, ``"sdpa"`` or ``"eager"``.
+        attn_implementation: transformers attention backend, ``"sdpa"`` or ``"eager"`` (or another that transformers
+            knows and that can run here, e.g. ``"flex_attention"``).
 
     Returns:
         ``(model, tokenizer)``, model in eval mode; ``tokenizer`` is None for a directory without one.
 
     Raises:
+        ValueError: an unknown ``dtype``, ``device`` or ``attn_implementation``, or one this machine or model cannot
+            use (e.g. ``"flash_attention_2"`` without flash-attn): raised before any loading or conversion, and a
+            cached conversion is never rebuilt because of it.
         FileNotFoundError: ``name_or_path`` looks like a path but does not exist.
         OSError: a Hub id that cannot be resolved (not cached while offline, or no such repository).
     """
+    _check_attn_implementation(attn_implementation)
     kwargs = {"dtype": _parse_dtype(dtype), "attn_implementation": attn_implementation}
+    device = _parse_device(device)
     name = None if name_or_path is None else os.fspath(name_or_path)
     with _quiet_loading():
         model, tokenizer = _load(name, kwargs)

@@ -165,6 +165,87 @@ def test_converted_manifest_validation(tmp_path, monkeypatch):
     assert not models._converted_is_valid(d, "abc")
 
 
+def _fake_conversions(monkeypatch, tmp_path) -> tuple[Path, list[Path]]:
+    """A stand-in GGUF (any bytes) and a `_convert_gguf` that writes a tiny checkpoint + manifest in a second, not the
+    ~55 s of the real conversion; returns the GGUF path and the list of conversions made."""
+    monkeypatch.setenv("HYBRID_CACHE_HOME", str(tmp_path / "home"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"not really a gguf")
+    conversions: list[Path] = []
+
+    def convert(gguf_path, gguf_sha256, out_dir, fix_default_config=False):
+        conversions.append(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tiny_model().save_pretrained(out_dir)
+        (out_dir / "manifest.json").write_text(json.dumps(models._manifest_for(out_dir, gguf_sha256)))
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    return gguf, conversions
+
+
+def test_bad_load_arguments_raise_at_once_and_leave_the_cached_conversion_alone(tmp_path, monkeypatch):
+    """A typo, a backend that cannot run here (flash-attn not installed), a non-float dtype or an unknown device:
+    one ValueError naming the argument, and the cached conversion is neither deleted nor rebuilt."""
+    gguf, conversions = _fake_conversions(monkeypatch, tmp_path)
+    models.load_model(gguf)
+    assert len(conversions) == 1
+    out_dir = conversions[0]
+    before = {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()}
+    cases = [
+        ({"attn_implementation": "sdpaa"}, r"unknown attn_implementation 'sdpaa'.*'eager'.*'sdpa'"),
+        ({"attn_implementation": "flash_attention_2"}, r"attn_implementation='flash_attention_2'.*Use "
+                                                       r"attn_implementation='sdpa'"),
+        ({"attn_implementation": 3}, "attn_implementation must be a string"),
+        ({"dtype": torch.int8}, "not a floating-point dtype"),
+        ({"dtype": "float64x"}, "unknown dtype 'float64x'"),
+        ({"device": "cdua"}, "unknown device 'cdua'"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(({"device": "cuda"}, "no CUDA device"))
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            models.load_model(gguf, **kwargs)
+        error = info.value  # one error, no chained traceback
+        assert error.__cause__ is None and (error.__context__ is None or error.__suppress_context__), kwargs
+    assert len(conversions) == 1  # nothing was rebuilt
+    assert {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()} == before
+    model, _ = models.load_model(gguf, attn_implementation="eager", dtype="bfloat16")
+    assert model.config._attn_implementation == "eager" and next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_only_a_corrupt_conversion_is_rebuilt(tmp_path, monkeypatch):
+    """A cached conversion that fails with the caller's arguments but loads with the defaults is not the cache's
+    fault: the caller's error is raised and nothing is rebuilt. One that fails with the defaults too is rebuilt."""
+    gguf, conversions = _fake_conversions(monkeypatch, tmp_path)
+    models.load_model(gguf)
+    real_load_dir = models._load_dir
+
+    def fails_in_bfloat16(path, **kwargs):
+        if kwargs["dtype"] == torch.bfloat16:
+            raise RuntimeError("bfloat16 is not supported here")
+        return real_load_dir(path, **kwargs)
+
+    monkeypatch.setattr(models, "_load_dir", fails_in_bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16 is not supported here"):
+        models.load_model(gguf, dtype="bfloat16")
+    assert len(conversions) == 1
+    monkeypatch.setattr(models, "_load_dir", real_load_dir)
+    weights = conversions[0] / "model.safetensors"
+    weights.write_bytes(b"\xff" * weights.stat().st_size)  # same size: the manifest still matches
+    model, _ = models.load_model(gguf)
+    assert len(conversions) == 2 and isinstance(model, Gemma3ForCausalLM)
+
+
+def test_default_model_checks_the_arguments_before_converting(tmp_path, monkeypatch):
+    """On a cold cache the embedded model's arguments are checked against its official config before the one-off
+    conversion: an unusable backend costs no conversion."""
+    gguf, conversions = _fake_conversions(monkeypatch, tmp_path)
+    monkeypatch.setattr(models, "default_gguf_path", lambda: (gguf, "0" * 64))
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        models.load_model(None, attn_implementation="flash_attention_2")
+    assert conversions == []
+
+
 def test_gemma3_270m_config_check_fixes_wrong_fields():
     config = Gemma3TextConfig(
         vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
