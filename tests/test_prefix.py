@@ -101,3 +101,101 @@ def test_cli_and_example_on_the_embedded_model(tmp_path):
     example = run(sys.executable, "examples/prefix_cache.py", "--prefix-tokens", "600", "--max-new-tokens", "3",
                   "--questions", "1")
     assert "DIFFERENT" not in example and example.count("identical") == 1 and "restored" in example
+
+
+# --- the command line: mistakes in one line, --model on either side of the command ---------------------------------
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    """Two tiny Gemma 3 checkpoints with a tokenizer: window 6, and window 4 (another model's geometry)."""
+    from test_models_text import SAMPLE, tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(SAMPLE * 4)
+    dirs = []
+    for window in (6, 4):
+        d = tmp_path_factory.mktemp(f"tiny_window{window}")
+        tiny_model(vocab=len(tokenizer), window=window).save_pretrained(d)
+        tokenizer.save_pretrained(d)
+        dirs.append(d)
+    return dirs[0], dirs[1]
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    from hybrid_cache.prefix import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("hybrid-cache-prefix: error: "), err
+    return err
+
+
+def test_cli_file_mistakes_are_one_line(tmp_path, capsys, tiny_checkpoints):
+    """A missing file, a text file, a truncated file, a directory, a saved cache that `build` did not write, and a
+    file built for another model: one line naming the file and what to do, exit code 2."""
+    from test_models_text import SAMPLE
+
+    err = _one_line_error(capsys, ["ask", str(tmp_path / "nosuch.safetensors"), "x"])
+    assert "nosuch.safetensors: no such file" in err and "hybrid-cache-prefix build" in err
+    notes = tmp_path / "notes.txt"
+    notes.write_text(SAMPLE)
+    err = _one_line_error(capsys, ["ask", str(notes), "x"])
+    assert "not a readable safetensors file" in err and f"hybrid-cache-prefix build {notes} -o" in err
+    err = _one_line_error(capsys, ["ask", str(tmp_path), "x"])
+    assert "is a directory" in err
+
+    small, other = tiny_checkpoints
+    path = tmp_path / "prefix.safetensors"
+    from hybrid_cache.prefix import main
+
+    assert main(["build", str(notes), "-o", str(path), "--max-tokens", "30", "--model", str(small)]) == 0
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    err = _one_line_error(capsys, ["ask", str(truncated), "x"])
+    assert str(truncated) in err and "truncated or corrupted" in err
+    bare = tmp_path / "bare.safetensors"
+    HybridRingCache.load(path, _config(small)).save(bare)
+    err = _one_line_error(capsys, ["ask", str(bare), "x"])
+    assert "without the 'prefix.token_ids' metadata" in err
+    err = _one_line_error(capsys, ["ask", str(path), "x", "--model", str(other)])
+    assert "sliding_window" in err and str(small) in err  # names the field and the model it was built with
+    err = _one_line_error(capsys, ["build", str(tmp_path / "nosuch.txt"), "-o", str(path), "--model", str(small)])
+    assert "nosuch.txt" in err and "does not exist" in err
+    err = _one_line_error(capsys, ["build", "default", "-o", str(tmp_path / "no" / "dir.safetensors")])
+    assert "does not exist" in err
+
+
+def _config(checkpoint: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(checkpoint)
+
+
+def test_cli_model_before_or_after_the_command_and_a_whole_description():
+    from hybrid_cache.prefix import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--model", "m", "ask", "f", "x"]).model == "m"
+    assert parser.parse_args(["ask", "f", "x", "--model", "m"]).model == "m"
+    assert parser.parse_args(["build", "t", "-o", "f", "--model", "m"]).model == "m"
+    assert parser.parse_args(["bench"]).model is None
+    assert parser.description.endswith("against warm (the saved file loaded).")
+
+
+def test_cli_ask_warms_up_untimed_then_compares(tmp_path, capsys, tiny_checkpoints):
+    """`ask` on a tiny model: the first load and the first answer run untimed before the compared pair (whose
+    answers are identical), and the load average is printed with the timings."""
+    from test_models_text import SAMPLE
+
+    from hybrid_cache.prefix import main
+
+    small, _ = tiny_checkpoints
+    text = tmp_path / "text.txt"
+    text.write_text(SAMPLE * 2)
+    path = tmp_path / "prefix.safetensors"
+    assert main(["--model", str(small), "build", str(text), "-o", str(path), "--max-tokens", "40"]) == 0
+    capsys.readouterr()
+    assert main(["ask", str(path), "To be", "Whether", "--max-new-tokens", "3", "--model", str(small)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("untimed warm-up: first load of the file") < out.index("TTFT warm")
+    assert out.count("answers identical") == 2 and "load average" in out
