@@ -11,7 +11,7 @@ import torch
 from hybrid_cache import bench
 
 
-def test_bench_main_json_schema(tmp_path):
+def test_bench_main_json_schema(tmp_path, capsys):
     out = tmp_path / "bench.json"
     plot = tmp_path / "bench.png"
     rc = bench.main([
@@ -40,7 +40,23 @@ def test_bench_main_json_schema(tmp_path):
     heads_dim_bytes = 256 * 4
     assert ring[1]["copy_bytes_per_step"] == 6 * 2 * heads_dim_bytes
     assert plot.stat().st_size > 0
-    assert "ring/static" in data["table"]
+    assert "ring/static" in data["table"] and "ms/tok med/min" in data["table"]  # the JSON keeps the full tables
+    # The printed view is the compact one: a median per cache and the ratios, every line within 120 characters.
+    printed = capsys.readouterr().out
+    table = printed[printed.index("model     win"):]
+    assert "ring ms/tok | dynamic ms/tok | static ms/tok |  ring/static | ring/dynamic | load" in table
+    assert "ms/tok med/min" not in table and "--full-table" in table
+    assert max(len(line) for line in table.splitlines() if not line.startswith("WARNING")) <= 120
+
+
+def test_bench_full_table_flag(capsys):
+    """--full-table prints today's full table (min times, cache ms, KV and copy MiB, peak K/V) instead."""
+    rc = bench.main(["--model", "tiny", "--window", "16", "--contexts", "32", "--batch", "1", "--steps", "1",
+                     "--warmup", "1", "--reps", "1", "--bandwidth-bytes", str(1 << 20), "--full-table"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "ring ms/tok med/min" in printed and "copy MiB" in printed and "MiB end/peak" in printed
+    assert "--full-table" in " ".join(bench.build_parser().format_help().split())
 
 
 def test_instrumentation_restores_patches():

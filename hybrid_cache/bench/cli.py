@@ -78,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default: torch's choice, one per core). On a machine shared with other "
                         "work, fewer threads than cores keeps them from waiting on each other.")
-    p.add_argument("--json", default=None, help="write results as JSON to this path.")
+    p.add_argument("--json", default=None, help="write results as JSON to this path (with the full tables).")
+    p.add_argument("--full-table", action="store_true",
+                   help="print the full tables (per cache median/min, cache ms, KV and copy MiB, compile seconds, ...; "
+                        "about 225 characters wide) instead of the compact ones (the median per cache and the ratios).")
     p.add_argument("--plot", default=None, help="write a PNG of ms/token vs context to this path.")
     p.add_argument("--bandwidth-bytes", type=int, default=2**30, help="size of the bandwidth copy test (bytes).")
     p.add_argument("--profile", action="store_true",
@@ -204,7 +207,7 @@ def _run_prefill(args: argparse.Namespace, payload: dict[str, Any], meter: Conte
                 profiles[f"{args.model} w={window} {dtype_name} ctx={args.profile_context} "
                          f"chunk={args.profile_chunk} {name}"] = table
     payload["prefill_table"] = format_prefill_table(rows, args.caches)
-    _log("\n" + payload["prefill_table"])
+    _log("\n" + (payload["prefill_table"] if args.full_table else format_prefill_table(rows, args.caches, full=False)))
     payload["results"] = [asdict(r) for r in rows]
     if profiles:
         payload["profiles"] = profiles
@@ -257,12 +260,19 @@ def _run_decode(args: argparse.Namespace, payload: dict[str, Any], meter: Conten
     payload["table"] = format_table(eager_results, args.caches) if eager_results else ""
     if eager_results:
         payload["memory_table"] = format_memory_table(eager_results, args.caches)
-        _log("\n" + payload["table"] + "\n\nK/V bytes held (end of decode / most at any point, and the largest ratio "
-             "to an exactly sized cache for the same tokens):\n" + payload["memory_table"])
+        if args.full_table:
+            _log("\n" + payload["table"] + "\n\nK/V bytes held (end of decode / most at any point, and the largest "
+                 "ratio to an exactly sized cache for the same tokens):\n" + payload["memory_table"])
+        else:
+            _log("\n" + format_table(eager_results, args.caches, full=False) + "\n\nK/V bytes held at the end of "
+                 "decode (and ring/dynamic at its worst point):\n" + format_memory_table(eager_results, args.caches,
+                                                                                         full=False)
+                 + "\n(--full-table for min times, cache ms, copy MiB and peak K/V; the JSON has the full tables)")
     compiled_results = [r for r in results if r.compiled]
     if compiled_results:
         payload["compiled_table"] = format_compiled_table(results)
-        _log("\ncompiled decode:\n" + payload["compiled_table"])
+        _log("\ncompiled decode:\n" + (payload["compiled_table"] if args.full_table
+                                        else format_compiled_table(results, full=False)))
     payload["results"] = [asdict(r) for r in results]
     if profiles:
         payload["profiles"] = profiles

@@ -1,4 +1,10 @@
-"""Tables and plots of benchmark results: decode (eager and compiled), K/V memory, chunked prefill."""
+"""Tables and plots of benchmark results: decode (eager and compiled), K/V memory, chunked prefill.
+
+Every table has two views: the full one (``full=True``, the default of these functions; the JSON always keeps it and
+``hybrid-cache-bench --full-table`` prints it), and a compact one (``full=False``, what the command prints by default,
+about 110 characters for the three exact caches): one median per cache and the ratios between caches, without the
+min / cache ms / copy MiB / compile columns.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ __all__ = ["format_compiled_table", "format_memory_table", "format_prefill_table
 
 BUSY_MARK = "!"
 BUSY_NOTE = (f"{BUSY_MARK} = other processes kept more of this process' CPUs busy than the benchmark leaves free while "
-             "the row was measured (JSON competing_load): its timings are not trustworthy; re-run on a quiet machine.")
+             "the row was measured\n(JSON competing_load): its timings are not trustworthy; re-run on a quiet machine.")
 
 
 def _ratio(a: float | None, b: float | None, digits: int = 2) -> str:
@@ -30,15 +36,16 @@ def _comparison_table(rows: dict[tuple, dict[str, Any]], caches: Sequence[str], 
                       metric: Callable[[Any], float], ratios: Sequence[tuple[str, str]]) -> str:
     """One line per point: a cell per cache, the ratios of `metric` between pairs of caches, and ``!`` where any of the
     point's rows was measured while other work competed for the CPUs (with a note under the table)."""
-    blank = " " * len(cell(None))
-    header = point_header + "".join(f" | {cell_header(c)}" for c in caches)
+    # A column is as wide as its header or its cells, whichever is wider (a long cache name widens its column).
+    width = {c: max(len(cell_header(c)), len(cell(None))) for c in caches}
+    header = point_header + "".join(f" | {cell_header(c):>{width[c]}}" for c in caches)
     ratio_names = [(a, b) for a, b in ratios if a in caches and b in caches]
     header += "".join(f" | {a + '/' + b:>12}" for a, b in ratio_names) + " | load"
     lines = [header, "-" * len(header)]
     busy = False
     for key in sorted(rows, key=_point_key):
         by_cache = rows[key]
-        line = point(key) + "".join(f" | {cell(by_cache[c]) if c in by_cache else blank}" for c in caches)
+        line = point(key) + "".join(f" | {cell(by_cache[c]) if c in by_cache else '':>{width[c]}}" for c in caches)
         for a, b in ratio_names:
             ra, rb = by_cache.get(a), by_cache.get(b)
             line += f" | {_ratio(ra and metric(ra), rb and metric(rb)):>12}"
@@ -50,12 +57,16 @@ def _comparison_table(rows: dict[tuple, dict[str, Any]], caches: Sequence[str], 
     return "\n".join(lines)
 
 
-def format_table(results: Sequence[BenchResult], caches: Sequence[str]) -> str:
+def format_table(results: Sequence[BenchResult], caches: Sequence[str], full: bool = True) -> str:
     """One row per (model, window, dtype, context, batch); per cache ms/token median/min, cache ms/step, KV MiB, copy
-    MiB; ring/static and ring/dynamic ratios of the medians; ``!`` where other work competed for the CPUs."""
+    MiB (compact, ``full=False``: the median ms/token only); ring/static and ring/dynamic ratios of the medians; ``!``
+    where other work competed for the CPUs."""
     rows: dict[tuple, dict[str, BenchResult]] = {}
     for r in results:
         rows.setdefault((r.model, r.window, r.dtype, r.context, r.batch), {})[r.cache] = r
+
+    def compact_cell(r: BenchResult | None) -> str:
+        return f"{'-':>11}" if r is None else f"{r.ms_per_token_median:>11.2f}"
 
     def cell(r: BenchResult | None) -> str:
         if r is None:
@@ -67,22 +78,24 @@ def format_table(results: Sequence[BenchResult], caches: Sequence[str]) -> str:
     return _comparison_table(
         rows, caches, f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'B':>3}",
         lambda k: f"{k[0]:<8}{k[1] or 0:>5} {k[2]:<9}{k[3]:>6}{k[4]:>3}",
-        lambda c: f"{c + ' ms/tok med/min':>22}{'cache ms':>9}{'KV MiB':>9}{'copy MiB':>9}", cell,
+        (lambda c: f"{c + ' ms/tok med/min':>22}{'cache ms':>9}{'KV MiB':>9}{'copy MiB':>9}") if full
+        else (lambda c: f"{c + ' ms/tok':>11}"), cell if full else compact_cell,
         lambda r: r.ms_per_token_median, (("ring", "static"), ("ring", "dynamic")))
 
 
-def format_memory_table(results: Sequence[BenchResult], caches: Sequence[str]) -> str:
+def format_memory_table(results: Sequence[BenchResult], caches: Sequence[str], full: bool = True) -> str:
     """K/V bytes held during the decode runs: per (point, cache) the bytes held at the end, the most held at any point
     (after the prefill or any decode step) and the largest ratio to an exactly sized cache for the same tokens
-    (`workload.exact_kv_bytes`); then ring vs static at the end and ring vs dynamic, at the end and at its worst point
-    (the traces of both follow the same schedule, so point i holds the same tokens in both)."""
+    (`workload.exact_kv_bytes`; compact, ``full=False``: the bytes at the end only); then ring vs static at the end and
+    ring vs dynamic, at the end and at its worst point (the traces of both follow the same schedule, so point i holds
+    the same tokens in both)."""
     rows: dict[tuple, dict[str, BenchResult]] = {}
     for r in results:
         if not r.compiled:
             rows.setdefault((r.model, r.window, r.dtype, r.context, r.batch), {})[r.cache] = r
     header = f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'B':>3}"
     for c in caches:
-        header += f" | {c + ' MiB end/peak':>22}{'/exact':>8}"
+        header += f" | {c + ' MiB end/peak':>22}{'/exact':>8}" if full else f" | {c + ' MiB':>{max(11, len(c) + 4)}}"
     has = {c: c in caches for c in ("ring", "static", "dynamic")}
     if has["ring"] and has["static"]:
         header += f" | {'ring/static':>11}"
@@ -96,7 +109,9 @@ def format_memory_table(results: Sequence[BenchResult], caches: Sequence[str]) -
         for c in caches:
             r = by_cache.get(c)
             if r is None:
-                line += f" | {'-':>22}{'-':>8}"
+                line += f" | {'-':>22}{'-':>8}" if full else f" | {'-':>{max(11, len(c) + 4)}}"
+            elif not full:
+                line += f" | {r.kv_bytes / 2**20:>{max(11, len(c) + 4)}.1f}"
             else:
                 line += (f" | {r.kv_bytes / 2**20:>12.1f} / {(r.kv_bytes_peak or 0) / 2**20:>7.1f}"
                          f"{_ratio(r.kv_ratio_to_exact_max, 1.0, 3):>8}")
@@ -114,8 +129,9 @@ def format_memory_table(results: Sequence[BenchResult], caches: Sequence[str]) -
     return "\n".join(lines)
 
 
-def format_compiled_table(results: Sequence[BenchResult]) -> str:
-    """Compiled rows: per cache ms/token median/min, compile seconds (first call), graphs, eager check; ratio
+def format_compiled_table(results: Sequence[BenchResult], full: bool = True) -> str:
+    """Compiled rows: per cache ms/token median/min, compile seconds (first call), graphs, eager check (compact,
+    ``full=False``: the median ms/token, and ``NO`` after it where the compiled steps did not match eager); ratio
     ring/static (compiled), and compiled/eager per cache when eager rows of the same point are in `results`."""
     compiled_rows: dict[tuple, dict[str, BenchResult]] = {}
     eager: dict[tuple, dict[str, BenchResult]] = {}
@@ -128,7 +144,8 @@ def format_compiled_table(results: Sequence[BenchResult]) -> str:
     caches = [c for c in COMPILEABLE_CACHES if any(c in v for v in compiled_rows.values())]
     header = f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'B':>3} {'masks':<8}"
     for c in caches:
-        header += f" | {c + ' ms/tok med/min':>22}{'compile s':>10}{'graphs':>7}{'eager=':>7}"
+        header += (f" | {c + ' ms/tok med/min':>22}{'compile s':>10}{'graphs':>7}{'eager=':>7}" if full
+                   else f" | {c + ' ms/tok':>{max(14, len(c) + 7)}}")
     header += f" | {'ring/static':>11}"
     for c in caches:
         header += f" | {c + ' c/eager':>14}"
@@ -140,7 +157,10 @@ def format_compiled_table(results: Sequence[BenchResult]) -> str:
         for c in caches:
             r = by_cache.get(c)
             if r is None:
-                line += f" | {'-':>22}{'-':>10}{'-':>7}{'-':>7}"
+                line += f" | {'-':>22}{'-':>10}{'-':>7}{'-':>7}" if full else f" | {'-':>{max(14, len(c) + 7)}}"
+            elif not full:
+                flag = " NO" if r.compiled_matches_eager is False else ""
+                line += f" | {r.ms_per_token_median:>{max(14, len(c) + 7) - 3}.2f}{flag:<3}"
             else:
                 match = {True: "yes", False: "NO", None: "-"}[r.compiled_matches_eager]
                 line += (f" | {r.ms_per_token_median:>13.2f} / {r.ms_per_token_min:>6.2f}{r.compile_seconds or 0:>10.1f}"
@@ -154,9 +174,10 @@ def format_compiled_table(results: Sequence[BenchResult]) -> str:
     return "\n".join(lines)
 
 
-def format_prefill_table(results: Sequence[PrefillResult], caches: Sequence[str]) -> str:
-    """One row per (model, window, dtype, context, chunk): per cache prefill seconds median/min and peak K/V MiB;
-    ring/dynamic and ring/static ratios of the medians; ``!`` where other work competed for the CPUs."""
+def format_prefill_table(results: Sequence[PrefillResult], caches: Sequence[str], full: bool = True) -> str:
+    """One row per (model, window, dtype, context, chunk): per cache prefill seconds median/min and peak K/V MiB
+    (compact, ``full=False``: the median seconds only); ring/dynamic and ring/static ratios of the medians; ``!`` where
+    other work competed for the CPUs."""
     rows: dict[tuple, dict[str, PrefillResult]] = {}
     for r in results:
         rows.setdefault((r.model, r.window, r.dtype, r.context, r.chunk), {})[r.cache] = r
@@ -166,10 +187,14 @@ def format_prefill_table(results: Sequence[PrefillResult], caches: Sequence[str]
             return f"{'-':>19}{'-':>12}"
         return f"{r.prefill_ms_median / 1e3:>10.2f} / {r.prefill_ms_min / 1e3:>6.2f}{r.peak_kv_bytes / 2**20:>12.1f}"
 
+    def compact_cell(r: PrefillResult | None) -> str:
+        return f"{'-':>11}" if r is None else f"{r.prefill_ms_median / 1e3:>11.2f}"
+
     return _comparison_table(
         rows, caches, f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'chunk':>6}",
         lambda k: f"{k[0]:<8}{k[1] or 0:>5} {k[2]:<9}{k[3]:>6}{k[4]:>6}",
-        lambda c: f"{c + ' s med/min':>19}{'peak KV MiB':>12}", cell,
+        (lambda c: f"{c + ' s med/min':>19}{'peak KV MiB':>12}") if full else (lambda c: f"{c + ' s':>11}"),
+        cell if full else compact_cell,
         lambda r: r.prefill_ms_median, (("ring", "dynamic"), ("ring", "static")))
 
 
