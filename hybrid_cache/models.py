@@ -154,11 +154,18 @@ def _check_model_accepts(config: Any, kwargs: dict[str, Any]) -> None:
     the model supports the backend). A failure is the arguments' fault, raised as one ValueError."""
     from transformers import AutoModelForCausalLM
 
+    def build(dtype: torch.dtype, attn_implementation: str | None) -> None:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+
     attn = kwargs.get("attn_implementation")
     try:
-        with torch.device("meta"):
-            AutoModelForCausalLM.from_config(config, dtype=kwargs["dtype"], attn_implementation=attn)
+        build(kwargs["dtype"], attn)
     except (ValueError, ImportError, RuntimeError, NotImplementedError) as exc:
+        try:
+            build(**_DEFAULT_LOAD_KWARGS)
+        except Exception:
+            return  # not the arguments' fault (the model cannot be built at all): the load itself will say why
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise ValueError(f"cannot load the model with attn_implementation={attn!r}, dtype={kwargs['dtype']}: "
                          f"{reason} Use attn_implementation='sdpa' (the default) or 'eager'.") from None

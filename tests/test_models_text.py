@@ -236,6 +236,18 @@ def test_only_a_corrupt_conversion_is_rebuilt(tmp_path, monkeypatch):
     assert len(conversions) == 2 and isinstance(model, Gemma3ForCausalLM)
 
 
+def test_argument_check_blames_only_the_arguments():
+    """The meta-device check raises only when the model builds with the defaults but not with the caller's
+    arguments; a config that cannot give a causal LM at all is left to the load, whose own error names it."""
+    from transformers import CLIPVisionConfig
+
+    models._check_model_accepts(CLIPVisionConfig(), {"dtype": torch.float32, "attn_implementation": "flash_attention_2"})
+    config = tiny_model().config
+    models._check_model_accepts(config, {"dtype": torch.float32, "attn_implementation": "eager"})
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'"):
+        models._check_model_accepts(config, {"dtype": torch.float32, "attn_implementation": "flash_attention_2"})
+
+
 def test_default_model_checks_the_arguments_before_converting(tmp_path, monkeypatch):
     """On a cold cache the embedded model's arguments are checked against its official config before the one-off
     conversion: an unusable backend costs no conversion."""
