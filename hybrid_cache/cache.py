@@ -18,6 +18,7 @@ from .distributed import check_stage_layers, parallel_sizes, stage_layers
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
 from .mask_hook import (
     DenseMaskRequest,
+    HeldFromOffset,
     RingLayout,
     check_ring_attention_supported,
     install_mask_hook,
@@ -332,6 +333,11 @@ class HybridRingCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int | RingLayout]:
         layer_idx = self._storing_layer_index(layer_idx)
         kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
+        if isinstance(kv_offset, (RingLayout, HeldFromOffset)):
+            # Tell the hook's window check which mask this can be (see `HeldFromOffset.sliding_request`).
+            kv_offset.sliding_request = (
+                False if isinstance(self.layers[layer_idx], SinkWindowFullLayer) else (True if FULL in self.layer_kinds else None)
+            )
         if query_length == 1 and not isinstance(kv_offset, RingLayout) and self._wants_dense_mask(layer_idx):
             if not is_mask_hook_installed(getattr(self.config, "_attn_implementation", None) or "sdpa"):
                 install_mask_hook()  # only a performance request, but it needs the hook to be honoured

@@ -37,12 +37,17 @@ import threading
 from collections.abc import Callable
 
 import torch
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    causal_mask_function,
+    sdpa_mask,
+)
 from transformers.utils import is_torchdynamo_compiling
 
 __all__ = [
     "SUPPORTED_ATTN_IMPLEMENTATIONS",
     "DenseMaskRequest",
+    "HeldFromOffset",
     "RingLayout",
     "UnsupportedAttentionError",
     "WindowMismatchError",
@@ -83,12 +88,13 @@ class RingLayout:
     layout was never served (a prepared 4D mask, or a mask path that bypassed the hook).
     """
 
-    __slots__ = ("positions", "end", "served")
+    __slots__ = ("positions", "end", "served", "sliding_request")
 
     def __init__(self, positions: torch.Tensor, end: int | torch.Tensor | None = None):
         self.positions = positions
         self.end = int(positions.max()) + 1 if end is None else end
         self.served = False
+        self.sliding_request: bool | None = None  # see `HeldFromOffset.sliding_request`
 
     def __repr__(self) -> str:
         return f"RingLayout(positions={self.positions.tolist()}, end={self.end})"
@@ -131,6 +137,25 @@ class DenseMaskRequest(int):
         return f"DenseMaskRequest(offset={int(self)})"
 
 
+class HeldFromOffset(int):
+    """The integer `kv_offset` of a ring's time-ordered multi-token step whose older positions are no longer held.
+
+    A ring's multi-token step (a prefill chunk or a new prompt after the wrap, a verification step) returns the held
+    positions `[offset, length)` in time order followed by the new tokens, so the offset is a plain integer and every
+    reader gets the right positions. Keys before `offset` were overwritten: the hook checks that the model's window
+    does not reach them (`WindowMismatchError` otherwise) before passing the integer on. An `int`, so code that does
+    not know the marker stays correct.
+    """
+
+    # Set by the cache: True when this request can only be for a sliding-window mask (the cache holds a full-attention
+    # layer, so transformers sizes full masks against that one), False for a full-attention request (bounded full
+    # layers: approximate by design, never checked), None when the cache cannot tell (no full layer held).
+    sliding_request: bool | None = None
+
+    def __repr__(self) -> str:
+        return f"HeldFromOffset({int(self)})"
+
+
 def _ring_mask_function(
     mask_function: Callable, positions: torch.Tensor, padding_mask: torch.Tensor | None
 ) -> Callable:
@@ -159,7 +184,8 @@ def _ring_mask_function(
 
 
 def _check_window(
-    layout: RingLayout,
+    oldest_held: int,
+    held_text: str,
     batch_size: int,
     q_length: int,
     q_offset: int,
@@ -167,22 +193,33 @@ def _check_window(
     padding_mask: torch.Tensor | None,
     device: torch.device | str,
     use_vmap: bool,
+    local_size: int | None,
+    sliding_request: bool | None,
     config=None,
 ) -> None:
     """Refuse a sliding mask that lets a real query see a key older than the ring's oldest held position.
 
-    The model's own mask function decides what is visible; the ring holds only the newest `capacity` positions. If a
-    windowed mask allows the position just below the oldest one held (for a real query and a real key), the no-cache
-    forward would attend to a key the ring has overwritten: the cache was built for a smaller window than the
-    model's (e.g. from another config). A mask that also sees position 0 is a full-attention mask: transformers asks
-    a ring layer for it when the cache holds no full-attention layer of its own (all-sliding models, pipeline stages
-    without one); no ring layer consumes it, so it is built but not checked. Evaluated with transformers' own
+    The ring holds only its newest positions (from `oldest_held` on). If the model's window lets a real query (not a
+    padding token) see position `oldest_held - 1`, the no-cache forward would attend to a key the ring has
+    overwritten: the cache was built for a smaller window than the model's (e.g. from another config).
+
+    Which mask is being built decides what is checked (`sliding_request`, set by the cache):
+
+    - `True`: a sliding-window mask (the cache holds a full-attention layer, so transformers sizes full masks against
+      that one): always checked.
+    - `False`: a full-attention mask served by a bounded full layer (approximate by design): never checked.
+    - `None`: the cache holds no full-attention layer (all-sliding models, pipeline stages without one), so
+      transformers also sizes full-attention masks against a ring; those are built but no layer consumes them. A
+      request that carries `local_size` (transformers' `create_sliding_window_causal_mask`) is a sliding one; without
+      it, a mask that also sees position 0 is taken for a full-attention one and not checked.
+
+    What is evaluated is the model's own `mask_function`, overlays included (an overlay reaching further back than
+    the ring, e.g. a bidirectional block longer than the window, must be refused too), with transformers' own
     `sdpa_mask` on single key columns.
     """
-    held = layout.positions[layout.positions >= 0]
-    if held.numel() == 0 or int(held.min()) == 0:
+    if oldest_held <= 0 or sliding_request is False:
         return
-    missing = int(held.min()) - 1
+    missing = oldest_held - 1
 
     def visible(position: int, padding: torch.Tensor | None) -> torch.Tensor:  # [batch, q]
         return sdpa_mask(
@@ -196,18 +233,31 @@ def _check_window(
         query_positions = torch.arange(q_length, device=device) + q_offset
         inside = query_positions < padding_mask.shape[-1]
         violation = violation & (padding_mask[:, query_positions.clamp(max=padding_mask.shape[-1] - 1)] | ~inside)
-    if bool(violation.any()):
+    if sliding_request is None and local_size is None and bool(violation.any()):
         violation = violation & ~visible(0, None)  # full-attention masks are not a ring's
     if bool(violation.any()):
-        model_window = getattr(config, "sliding_window", None)
-        held_text = f"positions {int(held.min())}..{int(held.max())}"
+        model_window = local_size if local_size is not None else getattr(config, "sliding_window", None)
         raise WindowMismatchError(
             f"The model's attention mask lets a query see the key at position {missing}, but HybridRingCache's "
-            f"sliding-window ring holds only {held_text} ({held.numel()} slots): the model attends further back than "
-            f"the window the cache was built for"
-            + (f" (the model's config says sliding_window={model_window})" if model_window is not None else "")
+            f"sliding-window ring holds only {held_text}: the model attends further back than the window the cache "
+            f"was built for"
+            + (f" (the model's sliding_window={model_window})" if model_window is not None else "")
             + ". Build the cache from the model's own config: `HybridRingCache(model.config)`."
         )
+
+
+def _check_held_from(kv_offset: HeldFromOffset, batch_size, q_length, q_offset, mask_function, attention_mask, kwargs):
+    """`_check_window` for a time-ordered multi-token step of a ring that no longer holds positions before
+    `kv_offset` (skipped while compiling: eager steps were checked)."""
+    if is_torchdynamo_compiling():
+        return
+    device = kwargs.get("device", "cpu")
+    padding_mask = None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
+    _check_window(
+        int(kv_offset), f"positions {int(kv_offset)} and later", batch_size, q_length, q_offset, mask_function,
+        padding_mask, device, kwargs.get("use_vmap", False), kwargs.get("local_size"), kv_offset.sliding_request,
+        kwargs.get("config"),
+    )
 
 
 def _make_ring_aware(original: Callable) -> Callable:
@@ -225,6 +275,9 @@ def _make_ring_aware(original: Callable) -> Callable:
     ):
         if isinstance(kv_offset, DenseMaskRequest):
             kwargs["allow_is_causal_skip"] = False
+            kv_offset = int(kv_offset)
+        elif isinstance(kv_offset, HeldFromOffset):
+            _check_held_from(kv_offset, batch_size, q_length, q_offset, mask_function, attention_mask, kwargs)
             kv_offset = int(kv_offset)
         if not isinstance(kv_offset, RingLayout):
             # Exact pass-through: every other cache (and ring layers in time order) is untouched.
@@ -249,10 +302,14 @@ def _make_ring_aware(original: Callable) -> Callable:
         if attention_mask is not None:
             padding_mask = attention_mask.to(device=device, dtype=torch.bool)
         if not is_torchdynamo_compiling():
-            _check_window(
-                kv_offset, batch_size, q_length, q_offset, mask_function, padding_mask, device,
-                kwargs.get("use_vmap", False), kwargs.get("config"),
-            )
+            held = kv_offset.positions[kv_offset.positions >= 0]
+            if held.numel():
+                _check_window(
+                    int(held.min()), f"positions {int(held.min())}..{int(held.max())} ({held.numel()} slots)",
+                    batch_size, q_length, q_offset, mask_function, padding_mask, device,
+                    kwargs.get("use_vmap", False), kwargs.get("local_size"), kv_offset.sliding_request,
+                    kwargs.get("config"),
+                )
             kv_offset.served = True
         # The ring's slots are not in time order, so `is_causal`-style skips never apply: always materialize.
         kwargs["allow_is_causal_skip"] = False
@@ -278,7 +335,14 @@ def _make_guard(original: Callable, name: str) -> Callable:
     """Wrap a mask function that cannot serve a ring layout so it fails loudly instead of silently."""
 
     def guarded_mask(*args, **kwargs):
-        if isinstance(kwargs.get("kv_offset"), RingLayout):
+        kv_offset = kwargs.get("kv_offset")
+        if isinstance(kv_offset, HeldFromOffset) and "batch_size" in kwargs and "q_length" in kwargs:
+            _check_held_from(
+                kv_offset, kwargs["batch_size"], kwargs["q_length"], kwargs.get("q_offset", 0),
+                kwargs.get("mask_function", causal_mask_function), kwargs.get("attention_mask"), kwargs,
+            )
+            kwargs["kv_offset"] = int(kv_offset)
+        if isinstance(kv_offset, RingLayout):
             raise UnsupportedAttentionError(
                 f"attn_implementation={name!r} cannot attend over HybridRingCache's wrapped ring buffers (its mask "
                 f"cannot express keys that are not in time order). Load the model with attn_implementation='sdpa', "

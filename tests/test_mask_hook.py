@@ -17,7 +17,7 @@ from transformers.masking_utils import (
 
 import hybrid_cache.mask_hook as mask_hook
 from hybrid_cache import HybridRingCache, RingLayout, UnsupportedAttentionError, install_mask_hook
-from hybrid_cache.mask_hook import DenseMaskRequest, WindowMismatchError
+from hybrid_cache.mask_hook import DenseMaskRequest, HeldFromOffset, WindowMismatchError
 
 
 def run_other_caches(model, input_ids, attention_mask):
@@ -100,7 +100,7 @@ def test_ring_mask_equals_time_ordered_mask_with_overlays(attn, q_length):
         assert isinstance(layout, RingLayout)
         positions = layout.positions
     else:
-        assert type(layout) is int
+        assert isinstance(layout, HeldFromOffset) and type(layout + 0) is int  # an int the hook also checks
         positions = torch.arange(layout, layout + kv_length)
 
     def or_overlay(batch_idx, head_idx, q_idx, kv_idx):  # e.g. a bidirectional image block 14..15: 14 sees 15

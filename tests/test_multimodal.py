@@ -12,6 +12,7 @@ to the chunk end, and so do these tests).
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -27,7 +28,7 @@ from conftest import (
 )
 from transformers import DynamicCache
 
-from hybrid_cache import HybridRingCache
+from hybrid_cache import HybridRingCache, WindowMismatchError
 
 TOLERANCE = 1e-4
 BUILDERS = {"gemma3": tiny_gemma3_multimodal, "gemma4": tiny_gemma4_multimodal}
@@ -210,6 +211,34 @@ def test_images_match_no_cache(family, attn, name):
         schedule = schedule_avoiding(scene, sizes)
         got = scene.chunked_logits(HybridRingCache(scene.model.config), schedule)
         scene.assert_close(got, expected, f"{name} schedule={schedule}")
+
+
+@pytest.mark.parametrize("schedule", [[8, 6, 5, 1, 1, 1, 1, 1], [4, 12, 1, 1, 1, 1, 1, 1, 1, 1], [15] + [1] * 9])
+def test_smaller_cache_window_is_refused_with_images(family, attn, schedule):
+    """A cache built for a smaller window (3) than the model's (6), e.g. from another config: the first step whose
+    window reaches an overwritten key (a chunk holding the image block, or a one-token step after it) raises
+    `WindowMismatchError` before writing; every step before it equals the no-cache forward. Never a wrong logit."""
+    scene = Scene(family, attn, [[9, "image", 9]], window=6)
+    expected = scene.no_cache_logits()
+    config = copy.deepcopy(scene.model.config)
+    config.get_text_config(decoder=True).sliding_window = 3
+    cache, position = HybridRingCache(config), 0
+    with torch.no_grad():
+        for size in schedule:
+            end = position + size
+            step = dict(
+                input_ids=scene.ids[:, position:end], attention_mask=scene.mask[:, :end], cache=cache,
+                **{scene.type_key: scene.types[:, :end]}, **scene.encoder_outputs(position, end),
+            )
+            try:
+                logits = scene.model(**step).logits
+            except WindowMismatchError:
+                assert cache.get_seq_length() == position, "a refused step wrote into the cache"
+                return
+            difference = (logits - expected[:, position:end]).abs().max().item()  # one row, no padding
+            assert difference <= TOLERANCE, f"step at {position}: |logit difference| {difference:.3g}"
+            position = end
+    pytest.fail(f"schedule {schedule} ran to the end with a 3-token ring under a 6-token model window")
 
 
 @pytest.mark.parametrize("split", [1, 2, 3], ids=lambda s: f"split{s}")
