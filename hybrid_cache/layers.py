@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.utils import is_torchdynamo_compiling
 
-from .mask_hook import RingLayout
+from .mask_hook import HeldFromOffset, RingLayout
 
 __all__ = [
     "CacheCapacityError",
@@ -505,13 +505,22 @@ class RingSlidingLayer(_UndoableStepLayer):
         positions = (length - 1) - torch.remainder((length - 1) - slot_ids, self.max_slots)
         return torch.where(positions >= oldest, positions, -1)
 
+    def _first_returned(self, query_length: int) -> int:
+        """First position a multi-token step returns: the `sliding_window - 1` positions before it that its first
+        query sees (fewer at the start), exactly what transformers' own sliding layer returns. Gemma 4's drafter reads
+        these returned keys by index (`[:current_length]`), so returning more (a rollback margin, the whole ring)
+        would show it other keys than with `DynamicCache`. One-token steps return every slot written so far."""
+        if query_length == 1:
+            return 0 if self._step_kind(1) == "ordered" else self._oldest
+        return max(self._oldest, self.cumulative_length - (self.sliding_window - 1))
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:
         length, kind = self.cumulative_length, self._step_kind(query_length)
-        if kind == "ordered":
-            return length + query_length, 0
         if kind == "decode":  # the ring after writing position `length`
             return self.max_slots, RingLayout(self._slot_positions(length + 1), end=length + 1)
-        return length - self._oldest + query_length, self._oldest
+        # Time-ordered keys from `first` on; the hook checks that the model's window does not reach further back.
+        first = self._first_returned(query_length)
+        return length - first + query_length, HeldFromOffset(first) if first else 0
 
     def key_positions(self) -> torch.Tensor:
         """Absolute position of every key the last `update` returned, in the order returned (`-1`: empty slot).
@@ -544,13 +553,13 @@ class RingSlidingLayer(_UndoableStepLayer):
         kind = self._step_kind(query_length)
 
         if kind == "ordered":  # nothing is overwritten: any rollback stays exact
-            end = length + query_length
+            first, end = self._first_returned(query_length), length + query_length
             self._grow(end, query_length, limit=self.max_slots)
             self.keys[:, :, length:end].copy_(key_states)
             self.values[:, :, length:end].copy_(value_states)
             self._advance(query_length)
-            self._returned = ("range", 0, end)
-            return self.keys[:, :, :end], self.values[:, :, :end]
+            self._returned = ("range", first, end)
+            return self.keys[:, :, first:end], self.values[:, :, first:end]
 
         # From here on the ring has (or gets) all its slots; the held prefix keeps its slots `p % capacity == p`.
         self._grow(self.max_slots, query_length, limit=self.max_slots)
@@ -562,26 +571,30 @@ class RingSlidingLayer(_UndoableStepLayer):
             self._returned = ("ring", self.cumulative_length, self._oldest)
             return self.keys, self.values
 
-        # The held window must be copied out (in time order) before the write below overwrites it.
-        oldest = self._oldest
-        if length > oldest:
-            held_keys, held_values = self._held_in_time_order()
-            returned_keys = torch.cat([*held_keys, key_states], dim=-2)
-            returned_values = torch.cat([*held_values, value_states], dim=-2)
+        # The held positions must be copied out (in time order) before the write below overwrites them: from
+        # `first` on for the attention, from `_oldest` on when the step may have to be undone.
+        oldest, first = self._oldest, self._first_returned(query_length)
+        copied_from = oldest if self.record_past else first
+        if length > copied_from:
+            held_keys, held_values = self._held_in_time_order(copied_from)
+            window_keys = torch.cat([*held_keys, key_states], dim=-2)
+            window_values = torch.cat([*held_values, value_states], dim=-2)
         else:
-            returned_keys, returned_values = key_states, value_states
+            window_keys, window_values = key_states, value_states
         if self.record_past:
-            # Speculative step: keep what `crop` needs to undo it (the returned tensors, which exist anyway).
-            self._undo = _StepUndo(length, oldest, returned_keys, returned_values)
+            # Speculative step: keep what `crop` needs to undo it (the window, which the step copies anyway).
+            self._undo = _StepUndo(length, oldest, window_keys, window_values)
         self._write_newest(key_states, value_states)
-        self._returned = ("range", oldest, length + query_length)
-        return returned_keys, returned_values
+        self._returned = ("range", first, length + query_length)
+        skip = first - copied_from
+        return window_keys[:, :, skip:], window_values[:, :, skip:]
 
-    def _held_in_time_order(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Views of the slots holding positions `[oldest, length)`, oldest first: one piece, or two across the end."""
+    def _held_in_time_order(self, start_position: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views of the slots holding positions `[start_position, length)` (all held), oldest first: one piece, or
+        two across the end of the ring."""
         capacity = self.max_slots
-        count = self.cumulative_length - self._oldest
-        start = self._oldest % capacity
+        count = self.cumulative_length - start_position
+        start = start_position % capacity
         pieces = [(start, min(start + count, capacity))]
         if start + count > capacity:
             pieces.append((0, start + count - capacity))

@@ -5,6 +5,8 @@ cache, after the wrap, every drafter forward must see exactly what it sees with 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from conftest import VOCAB, tiny_gemma4
@@ -13,31 +15,28 @@ from transformers.models.gemma4_assistant import Gemma4AssistantConfig, Gemma4As
 
 from hybrid_cache import HybridRingCache
 
-WINDOW = 4
 
 
-def tiny_drafter(attn: str) -> Gemma4AssistantForCausalLM:
+def tiny_drafter(window: int, attn: str, draft_tokens: int) -> Gemma4AssistantForCausalLM:
     """A drafter whose attention reads the tiny target's shared K/V (same head sizes and KV heads per layer type)."""
     torch.manual_seed(1)
     text = Gemma4TextConfig(
         vocab_size=VOCAB, vocab_size_per_layer_input=0, hidden_size=24, hidden_size_per_layer_input=0,
         intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=WINDOW,
+        global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=window,
         layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=2, max_position_embeddings=4096,
         attn_implementation=attn, pad_token_id=0, bos_token_id=2, eos_token_id=1,
     )
     config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=32)
     config._attn_implementation = attn
     drafter = Gemma4AssistantForCausalLM(config).eval()
-    drafter.generation_config.num_assistant_tokens = 4
+    drafter.generation_config.num_assistant_tokens = draft_tokens
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"
     return drafter
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("rollback_margin", [0, 3], ids=lambda m: f"margin{m}")
-def test_drafter_logits_equal_dynamic_cache(attn, rollback_margin):
-    target = tiny_gemma4(window=WINDOW, attn=attn)
-    drafter = tiny_drafter(attn)
+def drafted_logits(target, drafter, cache, prompt: torch.Tensor, new_tokens: int):
+    """Run assisted `generate` with `cache` as the target cache: (tokens, the drafter's logits at every call)."""
     drafted: list[torch.Tensor] = []
     forward = drafter.forward
 
@@ -47,17 +46,48 @@ def test_drafter_logits_equal_dynamic_cache(attn, rollback_margin):
         return output
 
     drafter.forward = recording_forward
-    prompt = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(0))
-    kwargs = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter,
-                  max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
-    runs = {}
-    with torch.no_grad():
-        for name, cache in (("ring", HybridRingCache(target.config, rollback_margin=rollback_margin)),
-                            ("dynamic", DynamicCache(config=target.config))):
-            drafted.clear()
-            runs[name] = (target.generate(**kwargs, cache=cache), list(drafted))
-    (ring_tokens, ring_logits), (dynamic_tokens, dynamic_logits) = runs["ring"], runs["dynamic"]
+    try:
+        with torch.no_grad():
+            tokens = target.generate(
+                input_ids=prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, cache=cache,
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+            )
+    finally:
+        drafter.forward = forward
+    return tokens, drafted
+
+
+def geometries(count: int, seed: int) -> list:
+    """Random (window, prompt length, draft tokens, rollback margin), prompts around the window most of the time: a
+    prompt just past the window is where a verification step first returns keys from a wrapped ring."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        window = rng.randint(2, 9)
+        prompt = rng.choice([window - 1, window, window + 1, window + 2, rng.randint(2, 3 * window + 4)])
+        cases.append(pytest.param(window, max(prompt, 2), rng.randint(1, 5), rng.choice([0, 0, 3]),
+                                  id=f"W{window}-P{max(prompt, 2)}"))
+    return cases
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("window, prompt_length, draft_tokens, margin", geometries(12, seed=16))
+def test_drafter_logits_equal_dynamic_cache(attn, window, prompt_length, draft_tokens, margin, one_thread):
+    """Property over windows, prompt lengths (around the window), draft lengths and rollback margins: the drafter's
+    logits at every call equal those of the `DynamicCache` run (it reads the shared K/V by index, so the ring's
+    verification steps must return exactly the keys transformers' sliding layer returns), and the tokens are equal."""
+    target = tiny_gemma4(window=window, attn=attn)
+    drafter = tiny_drafter(window, attn, draft_tokens)
+    prompt = torch.randint(3, VOCAB, (1, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
+    new_tokens = 2 * window + 8
+    ring_tokens, ring_logits = drafted_logits(
+        target, drafter, HybridRingCache(target.config, rollback_margin=margin), prompt, new_tokens
+    )
+    dynamic_tokens, dynamic_logits = drafted_logits(
+        target, drafter, DynamicCache(config=target.config), prompt, new_tokens
+    )
     assert torch.equal(ring_tokens, dynamic_tokens)
-    assert len(ring_logits) == len(dynamic_logits) > 10, "the drafter should have run many times, past the wrap"
-    worst = max((a - b).abs().max().item() for a, b in zip(ring_logits, dynamic_logits))
-    assert worst <= 1e-4, f"drafter logits differ from the DynamicCache run by {worst:.3g}"
+    assert len(ring_logits) == len(dynamic_logits) > 3, "the drafter should have run several times, past the wrap"
+    for call, (ring, dynamic) in enumerate(zip(ring_logits, dynamic_logits)):
+        difference = (ring - dynamic).abs().max().item()
+        assert difference <= 1e-4, f"drafter call {call}: logits differ from the DynamicCache run by {difference:.3g}"
