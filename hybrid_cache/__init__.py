@@ -14,6 +14,7 @@ from .layers import (
 from .quantized import QUANTIZATION_MODES, KVQuantizer, QuantizedFullLayer, StaticQuantizedFullLayer
 from .streaming import SinkWindowFullLayer
 from .mask_hook import (
+    ConversationMismatchError,
     RingLayout,
     UnsupportedAttentionError,
     WindowMismatchError,
@@ -26,6 +27,7 @@ from .snapshot import CacheCheckpoint, read_metadata
 __all__ = [
     "CacheCapacityError",
     "CacheCheckpoint",
+    "ConversationMismatchError",
     "GrowableFullLayer",
     "HybridRingCache",
     "KVQuantizer",

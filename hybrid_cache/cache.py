@@ -17,6 +17,8 @@ from transformers.utils import is_torchdynamo_compiling
 from .distributed import check_stage_layers, parallel_sizes, stage_layers
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
 from .mask_hook import (
+    CacheOffset,
+    ConversationMismatchError,
     DenseMaskRequest,
     HeldFromOffset,
     RingLayout,
@@ -332,7 +334,20 @@ class HybridRingCache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int | RingLayout]:
         layer_idx = self._storing_layer_index(layer_idx)
+        if query_length == 0 and not is_torchdynamo_compiling():
+            raise ConversationMismatchError(
+                f"A step with no new tokens reached HybridRingCache, which holds {self.get_seq_length()} tokens: "
+                f"`generate` slices the new tokens off the prompt by the cached length, so a prompt no longer than "
+                f"the cached tokens leaves nothing (or the wrong tokens) to run. A cache holds one conversation: to "
+                f"continue it, pass the whole conversation (the cached tokens, then the new ones); to start another, "
+                f"pass a new `HybridRingCache(model.config)` or call `cache.reset()` first."
+            )
         kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
+        if not is_torchdynamo_compiling():
+            if not isinstance(kv_offset, (RingLayout, CacheOffset)):
+                kv_offset = CacheOffset(kv_offset)
+            # The 2D mask must cover the held tokens and this step's (checked by the hook, see `CacheOffset`).
+            kv_offset.columns_needed = self.layers[layer_idx].get_seq_length() + query_length
         if isinstance(kv_offset, (RingLayout, HeldFromOffset)):
             # Tell the hook's window check which mask this can be (see `HeldFromOffset.sliding_request`).
             kv_offset.sliding_request = (
@@ -341,7 +356,9 @@ class HybridRingCache(Cache):
         if query_length == 1 and not isinstance(kv_offset, RingLayout) and self._wants_dense_mask(layer_idx):
             if not is_mask_hook_installed(getattr(self.config, "_attn_implementation", None) or "sdpa"):
                 install_mask_hook()  # only a performance request, but it needs the hook to be honoured
-            return kv_length, DenseMaskRequest(kv_offset)
+            dense = DenseMaskRequest(kv_offset)
+            dense.columns_needed = getattr(kv_offset, "columns_needed", None)
+            return kv_length, dense
         if isinstance(kv_offset, RingLayout) and not is_torchdynamo_compiling():
             # Only a wrapped ring needs the hook: check now that it will be the one serving this mask.
             check_ring_attention_supported(getattr(self.config, "_attn_implementation", None))

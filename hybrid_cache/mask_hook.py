@@ -46,6 +46,8 @@ from transformers.utils import is_torchdynamo_compiling
 
 __all__ = [
     "SUPPORTED_ATTN_IMPLEMENTATIONS",
+    "CacheOffset",
+    "ConversationMismatchError",
     "DenseMaskRequest",
     "HeldFromOffset",
     "RingLayout",
@@ -72,6 +74,11 @@ class WindowMismatchError(ValueError):
     """Raised when the model's mask would attend to keys that the cache's sliding-window ring no longer holds."""
 
 
+class ConversationMismatchError(ValueError):
+    """Raised when a step's inputs cannot continue what the cache holds: a cache holds one conversation, and the
+    attention mask (or the inputs `generate` sliced from it) does not cover the cached tokens followed by new ones."""
+
+
 class RingLayout:
     """The key layout of a wrapped ring's one-token step, passed where transformers expects `kv_offset`.
 
@@ -88,13 +95,14 @@ class RingLayout:
     layout was never served (a prepared 4D mask, or a mask path that bypassed the hook).
     """
 
-    __slots__ = ("positions", "end", "served", "sliding_request")
+    __slots__ = ("positions", "end", "served", "sliding_request", "columns_needed")
 
     def __init__(self, positions: torch.Tensor, end: int | torch.Tensor | None = None):
         self.positions = positions
         self.end = int(positions.max()) + 1 if end is None else end
         self.served = False
         self.sliding_request: bool | None = None  # see `HeldFromOffset.sliding_request`
+        self.columns_needed: int | None = None  # see `CacheOffset.columns_needed`
 
     def __repr__(self) -> str:
         return f"RingLayout(positions={self.positions.tolist()}, end={self.end})"
@@ -119,7 +127,22 @@ class RingLayout:
     __sub__ = __rsub__ = __int__ = __index__ = __lt__ = __le__ = __gt__ = __ge__ = __mul__ = __rmul__ = _refuse
 
 
-class DenseMaskRequest(int):
+class CacheOffset(int):
+    """An integer `kv_offset` given by `HybridRingCache` to the mask creation, with what the hook checks before
+    passing the plain integer on. An `int`, so code that does not know it stays correct.
+
+    `columns_needed` (set by the cache): the tokens held before the step plus the step's own. A 2D attention mask must
+    cover them all; a shorter one means the inputs do not continue the cached conversation (a new, shorter prompt
+    given to a cache that holds another one), and `ConversationMismatchError` is raised before anything is written.
+    """
+
+    columns_needed: int | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({int(self)})"
+
+
+class DenseMaskRequest(CacheOffset):
     """A time-ordered integer `kv_offset` whose mask should be materialized (never replaced by SDPA's `is_causal`).
 
     Why: for a one-token step transformers skips the mask when nothing is padded, and its SDPA integration then runs
@@ -137,7 +160,7 @@ class DenseMaskRequest(int):
         return f"DenseMaskRequest(offset={int(self)})"
 
 
-class HeldFromOffset(int):
+class HeldFromOffset(CacheOffset):
     """The integer `kv_offset` of a ring's time-ordered multi-token step whose older positions are no longer held.
 
     A ring's multi-token step (a prefill chunk or a new prompt after the wrap, a verification step) returns the held
@@ -151,9 +174,6 @@ class HeldFromOffset(int):
     # layer, so transformers sizes full masks against that one), False for a full-attention request (bounded full
     # layers: approximate by design, never checked), None when the cache cannot tell (no full layer held).
     sliding_request: bool | None = None
-
-    def __repr__(self) -> str:
-        return f"HeldFromOffset({int(self)})"
 
 
 def _ring_mask_function(
@@ -260,6 +280,21 @@ def _check_held_from(kv_offset: HeldFromOffset, batch_size, q_length, q_offset, 
     )
 
 
+def _check_mask_covers_cache(kv_offset: CacheOffset | RingLayout, attention_mask: torch.Tensor | None) -> None:
+    """Refuse a 2D attention mask shorter than the cached tokens plus the step's own (see `CacheOffset`)."""
+    needed = kv_offset.columns_needed
+    if needed is None or attention_mask is None or attention_mask.ndim != 2 or is_torchdynamo_compiling():
+        return
+    if attention_mask.shape[-1] < needed:
+        raise ConversationMismatchError(
+            f"The attention mask has {attention_mask.shape[-1]} columns, but HybridRingCache holds "
+            f"tokens before this step: it needs {needed} columns (the cached tokens followed "
+            f"by this step's). A cache holds one conversation: to continue it, pass the whole conversation (the "
+            f"cached tokens, then the new ones) with its attention mask; to start another, pass a new "
+            f"`HybridRingCache(model.config)` or call `cache.reset()` first."
+        )
+
+
 def _make_ring_aware(original: Callable) -> Callable:
     """Wrap a mask function (`sdpa_mask` / `eager_mask` / `flex_attention_mask`) so it understands `RingLayout`."""
 
@@ -273,11 +308,13 @@ def _make_ring_aware(original: Callable) -> Callable:
         attention_mask: torch.Tensor | None = None,
         **kwargs,
     ):
+        if isinstance(kv_offset, (CacheOffset, RingLayout)):
+            _check_mask_covers_cache(kv_offset, attention_mask)
         if isinstance(kv_offset, DenseMaskRequest):
             kwargs["allow_is_causal_skip"] = False
-            kv_offset = int(kv_offset)
         elif isinstance(kv_offset, HeldFromOffset):
             _check_held_from(kv_offset, batch_size, q_length, q_offset, mask_function, attention_mask, kwargs)
+        if isinstance(kv_offset, CacheOffset):
             kv_offset = int(kv_offset)
         if not isinstance(kv_offset, RingLayout):
             # Exact pass-through: every other cache (and ring layers in time order) is untouched.
@@ -336,11 +373,14 @@ def _make_guard(original: Callable, name: str) -> Callable:
 
     def guarded_mask(*args, **kwargs):
         kv_offset = kwargs.get("kv_offset")
+        if isinstance(kv_offset, (CacheOffset, RingLayout)):
+            _check_mask_covers_cache(kv_offset, kwargs.get("attention_mask"))
         if isinstance(kv_offset, HeldFromOffset) and "batch_size" in kwargs and "q_length" in kwargs:
             _check_held_from(
                 kv_offset, kwargs["batch_size"], kwargs["q_length"], kwargs.get("q_offset", 0),
                 kwargs.get("mask_function", causal_mask_function), kwargs.get("attention_mask"), kwargs,
             )
+        if isinstance(kv_offset, CacheOffset):
             kwargs["kv_offset"] = int(kv_offset)
         if isinstance(kv_offset, RingLayout):
             raise UnsupportedAttentionError(
