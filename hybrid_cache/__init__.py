@@ -1,54 +1,42 @@
-"""hybrid_cache: an exact, memory-minimal KV cache for transformers' hybrid local/global attention models."""
+"""hybrid_cache: an exact, memory-minimal KV cache for transformers' hybrid local/global attention models.
+
+The public API is `__all__`: the cache and what it reports, snapshots, attention maps, pipeline-stage helpers and the
+errors. Storage classes, the quantizer and the mask hook's controls stay importable from their modules
+(`hybrid_cache.layers`, `hybrid_cache.quantized`, `hybrid_cache.streaming`, `hybrid_cache.mask_hook`).
+"""
 
 from .attention_maps import attention_in_time_order
 from .cache import HybridRingCache, MemoryReport
 from .distributed import restrict_to_stage, stage_layers
-from .layers import (
+from .errors import (
     CacheCapacityError,
-    GrowableFullLayer,
-    RingSlidingLayer,
-    RollbackError,
-    StaticFullLayer,
-    StaticRingSlidingLayer,
-)
-from .quantized import QUANTIZATION_MODES, KVQuantizer, QuantizedFullLayer, StaticQuantizedFullLayer
-from .streaming import SinkWindowFullLayer
-from .mask_hook import (
     ConversationMismatchError,
-    RingLayout,
+    HybridCacheError,
+    RollbackError,
     UnsupportedAttentionError,
     WindowMismatchError,
-    install_mask_hook,
-    is_mask_hook_installed,
-    uninstall_mask_hook,
 )
 from .snapshot import CacheCheckpoint, read_metadata
+
+# Importable from the package for code written against earlier releases; documented in their modules.
+from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer  # noqa: F401, E402
+from .mask_hook import RingLayout, install_mask_hook, is_mask_hook_installed, uninstall_mask_hook  # noqa: F401, E402
+from .quantized import QUANTIZATION_MODES, KVQuantizer, QuantizedFullLayer, StaticQuantizedFullLayer  # noqa: F401, E402
+from .streaming import SinkWindowFullLayer  # noqa: F401, E402
 
 __all__ = [
     "CacheCapacityError",
     "CacheCheckpoint",
     "ConversationMismatchError",
-    "GrowableFullLayer",
+    "HybridCacheError",
     "HybridRingCache",
-    "KVQuantizer",
     "MemoryReport",
-    "QUANTIZATION_MODES",
-    "QuantizedFullLayer",
-    "RingLayout",
-    "RingSlidingLayer",
     "RollbackError",
-    "SinkWindowFullLayer",
-    "StaticFullLayer",
-    "StaticQuantizedFullLayer",
-    "StaticRingSlidingLayer",
     "UnsupportedAttentionError",
     "WindowMismatchError",
     "attention_in_time_order",
-    "install_mask_hook",
-    "is_mask_hook_installed",
+    "read_metadata",
     "restrict_to_stage",
     "stage_layers",
-    "read_metadata",
-    "uninstall_mask_hook",
 ]
 __version__ = "0.1.0"

@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.utils import is_torchdynamo_compiling
 
+from .errors import CacheCapacityError, RollbackError
 from .mask_hook import HeldFromOffset, RingLayout
 
 __all__ = [
@@ -29,12 +30,6 @@ __all__ = [
 ]
 
 
-class CacheCapacityError(RuntimeError):
-    """Raised when a fixed-capacity layer is asked to hold more tokens than it was allocated for."""
-
-
-class RollbackError(RuntimeError):
-    """Raised when `crop` would need tokens a ring buffer has already overwritten."""
 
 
 def _check_shapes(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

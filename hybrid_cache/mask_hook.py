@@ -44,6 +44,8 @@ from transformers.masking_utils import (
 )
 from transformers.utils import is_torchdynamo_compiling
 
+from .errors import ConversationMismatchError, UnsupportedAttentionError, WindowMismatchError
+
 __all__ = [
     "SUPPORTED_ATTN_IMPLEMENTATIONS",
     "CacheOffset",
@@ -64,19 +66,6 @@ SUPPORTED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 
 _HOOK_MARKER = "_hybrid_cache_hook_of"
 _install_lock = threading.Lock()
-
-
-class UnsupportedAttentionError(RuntimeError):
-    """Raised when a ring-buffer layout would be served by an attention path that cannot mask it correctly."""
-
-
-class WindowMismatchError(ValueError):
-    """Raised when the model's mask would attend to keys that the cache's sliding-window ring no longer holds."""
-
-
-class ConversationMismatchError(ValueError):
-    """Raised when a step's inputs cannot continue what the cache holds: a cache holds one conversation, and the
-    attention mask (or the inputs `generate` sliced from it) does not cover the cached tokens followed by new ones."""
 
 
 class RingLayout:

@@ -176,3 +176,20 @@ def test_initial_capacity_sizes_full_layers_exactly():
     chunked_logits(model, cache, torch.randint(3, VOCAB, (1, prompt + new)), [prompt] + [1] * new)
     full = [layer for kind, layer in zip(cache.layer_kinds, cache.layers) if kind == "full_attention"]
     assert all(layer.capacity == prompt + new for layer in full)
+
+
+def test_every_error_has_one_base_and_keeps_its_builtin_base():
+    """`except HybridCacheError` catches every error of the package; `except ValueError` / `RuntimeError` code written
+    before the base class existed still catches the same errors."""
+    import hybrid_cache
+    from hybrid_cache import errors
+
+    builtin = {
+        "CacheCapacityError": RuntimeError, "RollbackError": RuntimeError, "UnsupportedAttentionError": RuntimeError,
+        "WindowMismatchError": ValueError, "ConversationMismatchError": ValueError,
+    }
+    assert set(errors.__all__) == set(builtin) | {"HybridCacheError"}
+    for name, base in builtin.items():
+        error = getattr(hybrid_cache, name)
+        assert issubclass(error, hybrid_cache.HybridCacheError) and issubclass(error, base), name
+    assert len(hybrid_cache.__all__) <= 15

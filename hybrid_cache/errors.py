@@ -1,0 +1,38 @@
+"""Every error hybrid_cache raises on misuse: one base class, `HybridCacheError`, and each error also keeps the
+built-in base that code written before it may catch (`ValueError`, `RuntimeError`)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheCapacityError",
+    "ConversationMismatchError",
+    "HybridCacheError",
+    "RollbackError",
+    "UnsupportedAttentionError",
+    "WindowMismatchError",
+]
+
+
+class HybridCacheError(Exception):
+    """Base class of hybrid_cache's errors: `except HybridCacheError` catches every one of them."""
+
+
+class CacheCapacityError(HybridCacheError, RuntimeError):
+    """Raised when a fixed-capacity layer is asked to hold more tokens than it was allocated for."""
+
+
+class RollbackError(HybridCacheError, RuntimeError):
+    """Raised when `crop` would need tokens a ring buffer has already overwritten."""
+
+
+class UnsupportedAttentionError(HybridCacheError, RuntimeError):
+    """Raised when a ring-buffer layout would be served by an attention path that cannot mask it correctly."""
+
+
+class WindowMismatchError(HybridCacheError, ValueError):
+    """Raised when the model's mask would attend to keys that the cache's sliding-window ring no longer holds."""
+
+
+class ConversationMismatchError(HybridCacheError, ValueError):
+    """Raised when a step's inputs cannot continue what the cache holds: a cache holds one conversation, and the
+    attention mask (or the inputs `generate` sliced from it) does not cover the cached tokens followed by new ones."""
