@@ -34,13 +34,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model and the text are local: nothing from the Hub
+import torch
+from transformers.generation.streamers import BaseStreamer
 
-import torch  # noqa: E402
-from transformers.generation.streamers import BaseStreamer  # noqa: E402
-
-from .cache import HybridRingCache  # noqa: E402
-from .snapshot import read_metadata  # noqa: E402
+from .cache import HybridRingCache
+from .snapshot import read_metadata
 
 __all__ = ["prefill", "time_to_first_token", "build_prefix", "main"]
 
@@ -451,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The model and the text are local: nothing from the Hub (set when the command runs, never at import).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
