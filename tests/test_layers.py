@@ -111,14 +111,32 @@ class TestRingContents:
         assert layer.capacity == 8 and held(layer) == [8, 9, 2, 3, 4, 5, 6, 7]
 
     def test_chunk_after_wrap_returns_time_order(self):
-        """W=4: prefill 0..5 (slots [4,5,2,3]); a 3-token chunk returns the held 2..5 in time order, then 6..8, as a
-        plain integer offset (transformers' own mask, no ring layout); the ring then holds [8,5,6,7]."""
+        """W=4: prefill 0..5 (slots [4,5,2,3]); a 3-token chunk returns the W - 1 = 3 positions before it (3..5) in
+        time order, then 6..8, as an integer offset (transformers' own mask, no ring layout): what transformers' own
+        sliding layer returns. The ring then holds [8,5,6,7]."""
         layer = RingSlidingLayer(4)
         step(layer, 0, 6)
-        assert layer.get_mask_sizes(3) == (7, 2)
+        assert layer.get_mask_sizes(3) == (6, 3)
         returned, positions = step(layer, 6, 3)
-        assert returned == positions == list(range(2, 9))
+        assert returned == positions == list(range(3, 9))
         assert held(layer) == [8, 5, 6, 7]
+
+    def test_margin_chunk_returns_window_minus_one(self):
+        """W=4, M=3 (capacity 7): a chunk before and after the wrap returns only the W - 1 positions before it, also
+        while the ring is in time order (slots 0..4 hold 0..4: a 2-token chunk returns 2..6); recording the step for a
+        rollback copies from the oldest held position but still returns the same keys."""
+        layer = RingSlidingLayer(4, rollback_margin=3)
+        step(layer, 0, 5)
+        returned, _ = step(layer, 5, 2)
+        assert returned == [2, 3, 4, 5, 6]
+        returned, _ = step(layer, 7, 3)
+        assert returned == [4, 5, 6, 7, 8, 9]
+        layer.activate_past_recording()
+        returned, _ = step(layer, 10, 2)
+        assert returned == [7, 8, 9, 10, 11]
+        layer.crop(-2)
+        returned, _ = step(layer, 10, 2)
+        assert returned == [7, 8, 9, 10, 11]
 
     def test_decode_returns_ring_itself(self):
         """After the wrap a one-token step returns the ring storage (no copy of the window)."""
@@ -129,7 +147,8 @@ class TestRingContents:
 
     @pytest.mark.parametrize("chunk", [2, 3, 4, 5, 9], ids=lambda c: f"chunk{c}")
     def test_overflowing_chunks(self, chunk):
-        """W=4: prefill [0,1,2], then chunks: returned = held window + new tokens; ring = newest 4."""
+        """W=4: prefill [0,1,2], then chunks: returned = the W - 1 positions before the chunk + new tokens; ring =
+        newest 4."""
         layer = RingSlidingLayer(4)
         step(layer, 0, 3)
         position = 3
@@ -140,7 +159,7 @@ class TestRingContents:
             valid = {p for p in positions if p >= 0}
             for query in range(position, position + chunk):
                 assert set(range(max(0, query - 3), query + 1)) <= valid
-            assert set(before) <= valid
+            assert set(sorted(before)[-3:]) <= valid
             position += chunk
             assert sorted(p for p in held(layer) if p >= 0) == list(range(position - 4, position))
 
