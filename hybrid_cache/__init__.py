@@ -2,6 +2,7 @@
 
 from .attention_maps import attention_in_time_order
 from .cache import HybridRingCache, MemoryReport
+from .code_attention import CODE_ATTENTION, CodeAttentionError, register_code_attention, use_code_attention
 from .distributed import restrict_to_stage, stage_layers
 from .layers import (
     CacheCapacityError,
@@ -24,6 +25,8 @@ from .mask_hook import (
 from .snapshot import CacheCheckpoint, read_metadata
 
 __all__ = [
+    "CODE_ATTENTION",
+    "CodeAttentionError",
     "CacheCapacityError",
     "CacheCheckpoint",
     "GrowableFullLayer",
@@ -47,6 +50,8 @@ __all__ = [
     "restrict_to_stage",
     "stage_layers",
     "read_metadata",
+    "register_code_attention",
     "uninstall_mask_hook",
+    "use_code_attention",
 ]
 __version__ = "0.1.0"
