@@ -14,6 +14,7 @@ from transformers.cache_utils import Cache, DummyLayer
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import is_torchdynamo_compiling
 
+from .code_attention import CODE_ATTENTION, CODE_ATTENTION_MODES
 from .distributed import check_stage_layers, parallel_sizes, stage_layers
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
 from .mask_hook import (
@@ -23,9 +24,8 @@ from .mask_hook import (
     install_mask_hook,
     is_mask_hook_installed,
 )
-from .snapshot import CacheCheckpoint, load_cache, restore_checkpoint, save_cache, take_checkpoint
-from .code_attention import CODE_ATTENTION, CODE_ATTENTION_MODES
 from .quantized import QUANTIZATION_MODES, DequantWorkspace, QuantizedFullLayer, StaticQuantizedFullLayer
+from .snapshot import CacheCheckpoint, load_cache, restore_checkpoint, save_cache, take_checkpoint
 from .streaming import SinkWindowFullLayer
 
 __all__ = ["HybridRingCache", "MemoryReport"]

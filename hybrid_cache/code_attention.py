@@ -88,7 +88,8 @@ class CompressedHistory:
     `key_codes` `[b, h, L, Dk]` int8 (int4: `[b, h, L, Dk / 2]`, channel `j` in the low nibble, `j + Dk / 2` in the
     high one), `key_scales` `[b, h, L, Gk]`, likewise for values; `key_shift` / `key_scale` `[b, h, 1, Dk]` (the
     calibration, or None); `key_rotation` / `value_rotation` `[group, group]` (the Hadamard matrix, or None);
-    `current_keys` `[b, h, q, Dk]`, `current_values` `[b, h, q, Dv]` in the model dtype.
+    `current_keys` `[b, h, q, Dk]`, `current_values` `[b, h, q, Dv]` in the model dtype; `query_parts`: how
+    `hybrid_cache_attention` rounds the query (`code_domain_attention`).
     """
 
     mode: str
@@ -102,6 +103,7 @@ class CompressedHistory:
     value_rotation: torch.Tensor | None
     current_keys: torch.Tensor
     current_values: torch.Tensor
+    query_parts: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in CODE_ATTENTION_MODES:
@@ -408,7 +410,10 @@ def hybrid_cache_attention(
             "Attention on the codes does not return attention weights; use attn_implementation='eager' (with "
             "full_layer_code_attention=False) to get them."
         )
-    output = code_domain_attention(query, key.history, attention_mask, scaling=scaling, softcap=kwargs.get("softcap"))
+    history = key.history
+    output = code_domain_attention(
+        query, history, attention_mask, scaling=scaling, softcap=kwargs.get("softcap"), query_parts=history.query_parts
+    )
     return output, None
 
 

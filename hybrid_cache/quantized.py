@@ -316,6 +316,8 @@ class QuantizedFullLayer(_StorageLayer):
         self.key_calibration = key_calibration
         self.workspace = workspace
         self.initial_capacity = int(initial_capacity)
+        # Query rounding of attention on the codes: 1 = int8, 2 = int8 + int8 residual (`code_attention`).
+        self.code_query_parts = 1
         self._codes: dict[str, torch.Tensor] = {}
         self._scales: dict[str, torch.Tensor] = {}
         # role -> (shift, scale) `[batch, kv_heads, 1, head_dim]`: see `_calibrate` (keys only, when enabled).
@@ -475,7 +477,7 @@ class QuantizedFullLayer(_StorageLayer):
             key_shift=shift, key_scale=scale,
             key_rotation=self.quantizers["keys"].rotation_matrix(key_states),
             value_rotation=self.quantizers["values"].rotation_matrix(value_states),
-            current_keys=key_states, current_values=value_states,
+            current_keys=key_states, current_values=value_states, query_parts=self.code_query_parts,
         )
 
     # --- protocol -------------------------------------------------------------------------------------------------
