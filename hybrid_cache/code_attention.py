@@ -220,14 +220,19 @@ def _history_scores(grouped: torch.Tensor, history: CompressedHistory, parts: in
     if parts == 2:
         # |one group's product| <= group * 127 * 127, times 254 stays below 2**31 for groups up to 512 channels.
         split = products.view(batch, heads, length, 2, groups * m)
-        combined = split[..., 0, :].mul(int(_RESIDUAL_LEVELS)).add_(split[..., 1, :])
-        grouped_products = combined.float().view(batch, heads, length, groups, m)
+        products = split[..., 0, :].mul(int(_RESIDUAL_LEVELS)).add_(split[..., 1, :])
         query_scale = query_scale / _RESIDUAL_LEVELS
-    else:
-        grouped_products = products.float().view(batch, heads, length, groups, m)
-    grouped_products.mul_(query_scale.squeeze(-1).transpose(-1, -2).unsqueeze(2))  # [b, h, 1, G, m]
-    key_scales = history.key_scales.float().unsqueeze(-2)  # [b, h, L, 1, G]
-    return torch.matmul(key_scales, grouped_products).squeeze(-2).transpose(-1, -2)
+    # Token-last float32 layout [b, h, G, m, L] (one transposing conversion), so that the per-group weighting below
+    # runs over long contiguous rows instead of [G x m] blocks per token.
+    grouped_products = torch.empty((batch, heads, groups, m, length), dtype=torch.float32, device=grouped.device)
+    grouped_products.copy_(products.view(batch, heads, length, groups, m).permute(0, 1, 3, 4, 2))
+    key_scales = history.key_scales.transpose(-1, -2).float()  # [b, h, G, L]
+    query_scale = query_scale.squeeze(-1)  # [b, h, m, G]
+    scores = grouped_products[:, :, 0].mul_(query_scale[..., 0:1]).mul_(key_scales[:, :, 0:1])
+    for group_index in range(1, groups):
+        weighted = grouped_products[:, :, group_index].mul_(query_scale[..., group_index : group_index + 1])
+        scores.addcmul_(weighted, key_scales[:, :, group_index : group_index + 1])
+    return scores
 
 
 def _history_values(probabilities: torch.Tensor, history: CompressedHistory) -> torch.Tensor:

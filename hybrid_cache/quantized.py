@@ -318,6 +318,8 @@ class QuantizedFullLayer(_StorageLayer):
         self.initial_capacity = int(initial_capacity)
         # Query rounding of attention on the codes: 1 = int8, 2 = int8 + int8 residual (`code_attention`).
         self.code_query_parts = 1
+        # Longest step that attends on the codes (longer ones are prefill chunks: dequantized, as before).
+        self.code_max_query_length = MAX_CODE_QUERY_LENGTH
         self._codes: dict[str, torch.Tensor] = {}
         self._scales: dict[str, torch.Tensor] = {}
         # role -> (shift, scale) `[batch, kv_heads, 1, head_dim]`: see `_calibrate` (keys only, when enabled).
@@ -464,7 +466,9 @@ class QuantizedFullLayer(_StorageLayer):
     # --- attention on the codes ------------------------------------------------------------------------------------
     def uses_codes(self, history_length: int, query_length: int) -> bool:
         """Whether a step of `query_length` tokens after `history_length` stored ones can attend on the codes."""
-        return self.mode in CODE_ATTENTION_MODES and history_length > 0 and query_length <= MAX_CODE_QUERY_LENGTH
+        return (
+            self.mode in CODE_ATTENTION_MODES and history_length > 0 and query_length <= self.code_max_query_length
+        )
 
     def compressed_history(self, length: int, key_states: torch.Tensor, value_states: torch.Tensor
                            ) -> CompressedHistory:
