@@ -162,8 +162,10 @@ def _unpack_int4(codes: torch.Tensor) -> torch.Tensor:
     """`[..., D / 2]` packed nibbles -> `[..., D]` int8 in [-8, 7] (low nibbles first, then high ones)."""
     half = codes.shape[-1]
     out = torch.empty((*codes.shape[:-1], 2 * half), dtype=torch.int8, device=codes.device)
-    out[..., half:].copy_(codes >> 4)  # arithmetic shifts sign-extend the nibbles
-    out[..., :half].copy_((codes << 4) >> 4)
+    low, high = out[..., :half], out[..., half:]
+    torch.bitwise_right_shift(codes, 4, out=high)  # arithmetic shifts of int8 sign-extend the nibbles
+    torch.bitwise_left_shift(codes, 4, out=low)
+    low.bitwise_right_shift_(4)
     return out
 
 
