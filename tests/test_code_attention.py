@@ -96,6 +96,34 @@ def test_kernel_equals_the_dequantized_reference_with_the_same_query_rounding(se
         torch.testing.assert_close(actual.float(), expected.float(), rtol=0, atol=tolerance * expected.abs().max())
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_gemma4_full_layer_geometry(mode):
+    """Gemma 4's full layers: one KV head of 512 channels (keys = values before the norms), 8 query heads."""
+    case = {
+        "mode": mode,
+        "batch": 2,
+        "kv_heads": 1,
+        "rep": 8,
+        "head_dim": 512,
+        "group": 64,
+        "history": 257,
+        "query": 2,
+        "rotate": False,
+        "calibration": True,
+        "mask": "bool",
+        "softcap": None,
+        "dtype": torch.float32,
+    }
+    handle_keys, _, dense_keys, dense_values, query, mask, allowed = build_step(case, 11)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, dense_keys.expand(-1, 8, -1, -1), dense_values.expand(-1, 8, -1, -1), attn_mask=allowed
+    ).transpose(1, 2)
+    two_parts = code_domain_attention(query, handle_keys.history, mask, query_parts=2)
+    assert (two_parts - expected).abs().max() < 2e-3 * expected.abs().max()
+    one_part = code_domain_attention(query, handle_keys.history, mask)
+    torch.testing.assert_close(one_part, reference_attention(query, handle_keys.history, mask), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_reference_dequantizes_like_todays_path(seed):
     """With an exact query, the oracle is today's path: the layer's dequantized keys / values and SDPA."""
