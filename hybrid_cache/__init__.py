@@ -7,9 +7,11 @@ errors. Storage classes, the quantizer and the mask hook's controls stay importa
 
 from .attention_maps import attention_in_time_order
 from .cache import HybridRingCache, MemoryReport
+from .code_attention import use_code_attention
 from .distributed import restrict_to_stage, stage_layers
 from .errors import (
     CacheCapacityError,
+    CodeAttentionError,
     ConversationMismatchError,
     HybridCacheError,
     RollbackError,
@@ -19,6 +21,7 @@ from .errors import (
 from .snapshot import CacheCheckpoint, read_metadata
 
 # Importable from the package for code written against earlier releases; documented in their modules.
+from .code_attention import CODE_ATTENTION, register_code_attention  # noqa: F401, E402
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer  # noqa: F401, E402
 from .mask_hook import RingLayout, install_mask_hook, is_mask_hook_installed, uninstall_mask_hook  # noqa: F401, E402
 from .quantized import QUANTIZATION_MODES, KVQuantizer, QuantizedFullLayer, StaticQuantizedFullLayer  # noqa: F401, E402
@@ -27,6 +30,7 @@ from .streaming import SinkWindowFullLayer  # noqa: F401, E402
 __all__ = [
     "CacheCapacityError",
     "CacheCheckpoint",
+    "CodeAttentionError",
     "ConversationMismatchError",
     "HybridCacheError",
     "HybridRingCache",
@@ -38,5 +42,6 @@ __all__ = [
     "read_metadata",
     "restrict_to_stage",
     "stage_layers",
+    "use_code_attention",
 ]
 __version__ = "0.1.0"

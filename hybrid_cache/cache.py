@@ -14,6 +14,7 @@ from transformers.cache_utils import Cache, DummyLayer
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import is_torchdynamo_compiling
 
+from .code_attention import CODE_ATTENTION, CODE_ATTENTION_MODES
 from .distributed import check_stage_layers, parallel_sizes, stage_layers
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
 from .mask_hook import (
@@ -26,8 +27,8 @@ from .mask_hook import (
     install_mask_hook,
     is_mask_hook_installed,
 )
-from .snapshot import CacheCheckpoint, load_cache, restore_checkpoint, save_cache, take_checkpoint
 from .quantized import QUANTIZATION_MODES, DequantWorkspace, QuantizedFullLayer, StaticQuantizedFullLayer
+from .snapshot import CacheCheckpoint, load_cache, restore_checkpoint, save_cache, take_checkpoint
 from .streaming import SinkWindowFullLayer
 
 __all__ = ["HybridRingCache", "MemoryReport"]
@@ -179,6 +180,14 @@ class HybridRingCache(Cache):
             per-token grouping, with a per-channel mean and spread taken from the first update of each full layer
             (the prompt). Lowers the compressed modes' error several-fold on Gemma (docs/quantization.md) for one
             extra pass over the keys per step; no effect without `full_layer_quantization`.
+        full_layer_code_attention (`bool`, *optional*): whether decode steps (up to
+            `code_attention.MAX_CODE_QUERY_LENGTH` tokens) of `"int8"` / `"int4"` full layers attend on the codes
+            (`hybrid_cache.code_attention`: no dequantized history; needs the model's attention implementation to be
+            `"hybrid_cache_sdpa"`, which is SDPA for every other call) instead of returning dequantized keys and
+            values. Default (`None`): follow the model, i.e. on exactly while `config._attn_implementation ==
+            "hybrid_cache_sdpa"` (switch with `model.set_attn_implementation(...)` or
+            `hybrid_cache.use_code_attention(model)`). `True` with another attention function raises at its first
+            decode step; `False` never. Not with `max_cache_len` (the compileable layers keep the dequantizing path).
         full_layer_window (`int`, *optional*): bound every full-attention layer to `full_layer_sink_tokens` +
             the last `full_layer_window` tokens (StreamingLLM-style, keys at their absolute positions; approximate;
             see `hybrid_cache.streaming`). The whole cache then has a fixed size. Default `None`: unbounded.
@@ -209,6 +218,7 @@ class HybridRingCache(Cache):
         full_layer_key_calibration: bool = True,
         full_layer_window: int | None = None,
         full_layer_sink_tokens: int | None = None,
+        full_layer_code_attention: bool | None = None,
     ) -> None:
         if not isinstance(config, PreTrainedConfig):
             raise TypeError(
@@ -218,7 +228,9 @@ class HybridRingCache(Cache):
         _check_full_layer_options(
             full_layer_quantization, full_layer_rotation, full_layer_window, full_layer_sink_tokens, max_cache_len
         )
+        _check_code_attention_option(full_layer_code_attention, full_layer_quantization, max_cache_len)
         self.config = config.get_text_config(decoder=True)
+        self.full_layer_code_attention = full_layer_code_attention
         self.tp_size, pp_size = parallel_sizes(config)
         if stage_layers is None and pp_size > 1:
             raise ValueError(
@@ -305,7 +317,16 @@ class HybridRingCache(Cache):
             )
         if not is_torchdynamo_compiling():  # the checks read Python counters; compiled steps were checked eagerly
             self._check_ring_mask_was_built(layer_idx, key_states.shape[-2])
+        if type(layer) is QuantizedFullLayer:  # the growing compressed layer (not the compileable one)
+            return layer.update(key_states, value_states, *args, return_codes=self.attends_on_codes(), **kwargs)
         return layer.update(key_states, value_states, *args, **kwargs)
+
+    def attends_on_codes(self) -> bool:
+        """Whether this step's compressed full layers return their codes for attention on them (see
+        `full_layer_code_attention`): the option, or by default whether the model uses `"hybrid_cache_sdpa"`."""
+        if self.full_layer_code_attention is not None:
+            return self.full_layer_code_attention
+        return getattr(self.config, "_attn_implementation", None) == CODE_ATTENTION
 
     def _check_ring_mask_was_built(self, layer_idx: int, query_length: int) -> None:
         """A wrapped ring's one-token step is only exact if this step's mask was built by the hook from the layout
@@ -568,6 +589,23 @@ class HybridRingCache(Cache):
         """
         restore_checkpoint(self, checkpoint)
         self._forget_step_layout()  # a mask built before the restore describes another layout
+
+
+def _check_code_attention_option(code_attention: bool | None, quantization: str | None, max_cache_len: int | None
+                                 ) -> None:
+    """Refuse `full_layer_code_attention=True` where no layer could attend on codes."""
+    if not code_attention:
+        return
+    if quantization not in CODE_ATTENTION_MODES:
+        raise ValueError(
+            f"full_layer_code_attention=True attends on integer codes: it needs full_layer_quantization in "
+            f"{CODE_ATTENTION_MODES}, got {quantization!r}. Drop the option or pick one of those modes."
+        )
+    if max_cache_len is not None:
+        raise ValueError(
+            "full_layer_code_attention=True has no compileable variant: the fixed-capacity layers (max_cache_len) "
+            "keep the dequantizing path. Drop max_cache_len or the option."
+        )
 
 
 def _check_full_layer_options(

@@ -30,9 +30,12 @@ __all__ = [
 # layers (4 sinks + a 2044-token window: a 2048-token budget, so an 8192-token text streams through 4x its budget).
 # `ring-hf-fp8`: the alternative we did not pick, for side-by-side comparisons: the ring with transformers' own
 # `Fp8QuantizedLayer` as full layers (per-tensor scale frozen at the first update; not croppable, not compileable).
+# Their decode steps attend on the int8 / int4 codes when the model's attention implementation is
+# "hybrid_cache_sdpa" (`hybrid_cache.code_attention`; the benchmark loads models with it); `-deq` keeps today's
+# dequantize-then-SDPA path whatever the model uses (`full_layer_code_attention=False`), for side-by-side runs.
 QUANTIZED_CACHES = {
     "ring-int8": "int8", "ring-int4": "int4", "ring-fp8": "fp8", "ring-int4-rot": "int4",
-    "ring-int8-nocal": "int8", "ring-int4-nocal": "int4",
+    "ring-int8-nocal": "int8", "ring-int4-nocal": "int4", "ring-int8-deq": "int8", "ring-int4-deq": "int4",
 }
 STREAM_SINK_TOKENS, STREAM_WINDOW = 4, 2044
 CACHE_NAMES = ("ring", "dynamic", "static", *QUANTIZED_CACHES, "ring-stream", "ring-hf-fp8")
@@ -62,7 +65,8 @@ def make_cache(name: str, model_or_config: Any, max_cache_len: int, *, compileab
     if name in QUANTIZED_CACHES:
         return HybridRingCache(config, max_cache_len=fixed, full_layer_quantization=QUANTIZED_CACHES[name],
                                full_layer_rotation=name.endswith("-rot"),
-                               full_layer_key_calibration=not name.endswith("-nocal"))
+                               full_layer_key_calibration=not name.endswith("-nocal"),
+                               full_layer_code_attention=False if name.endswith("-deq") else None)
     if name == "ring-stream":
         if compileable:
             raise ValueError("ring-stream (bounded full layers) has no compileable mode; time it without --compile.")

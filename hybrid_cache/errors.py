@@ -5,6 +5,7 @@ from __future__ import annotations
 
 __all__ = [
     "CacheCapacityError",
+    "CodeAttentionError",
     "ConversationMismatchError",
     "HybridCacheError",
     "RollbackError",
@@ -36,3 +37,7 @@ class WindowMismatchError(HybridCacheError, ValueError):
 class ConversationMismatchError(HybridCacheError, ValueError):
     """Raised when a step's inputs cannot continue what the cache holds: a cache holds one conversation, and the
     attention mask (or the inputs `generate` sliced from it) does not cover the cached tokens followed by new ones."""
+
+
+class CodeAttentionError(HybridCacheError, RuntimeError):
+    """A compressed layer's `CompressedKV` handle reached code that is not hybrid_cache's code-domain attention."""

@@ -44,6 +44,7 @@ from transformers.masking_utils import (
 )
 from transformers.utils import is_torchdynamo_compiling
 
+from .code_attention import CODE_ATTENTION
 from .errors import ConversationMismatchError, UnsupportedAttentionError, WindowMismatchError
 
 __all__ = [
@@ -62,7 +63,8 @@ __all__ = [
 
 # Mask functions the hook knows how to serve for a ring layout: each evaluates a mask function at arbitrary key
 # positions (sdpa/eager materialize a dense [batch, 1, q, kv] mask, flex_attention a BlockMask from the same function).
-SUPPORTED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
+# CODE_ATTENTION is hybrid_cache's own attention function (SDPA, or attention on compressed codes), with SDPA's mask.
+SUPPORTED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", CODE_ATTENTION)
 
 _HOOK_MARKER = "_hybrid_cache_hook_of"
 _install_lock = threading.Lock()

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from . import compare
+from .code_attention import CODE_ATTENTION, MAX_CODE_QUERY_LENGTH
 from .compare import full_cache_bytes_per_token, kv_bytes_held, peak_rss_bytes, text_config
 from .progress import Progress, layer_progress
 
@@ -321,7 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {','.join(CACHE_NAMES)} (default ring,dynamic,none)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", CODE_ATTENTION],
+                   help=f"{CODE_ATTENTION}: SDPA, except that the decode steps (chunks of at most "
+                        f"{MAX_CODE_QUERY_LENGTH} tokens) of ring-int8 / ring-int4 attend on their codes "
+                        "(hybrid_cache.code_attention); ring-int*-deq keep dequantizing")
     p.add_argument("--logits-slice", type=int, default=512, help="positions per LM-head slice (default 512)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of KV bytes vs tokens")

@@ -47,6 +47,7 @@ import math
 import torch
 from transformers.utils import is_torchdynamo_compiling
 
+from .code_attention import CODE_ATTENTION_MODES, MAX_CODE_QUERY_LENGTH, CompressedHistory, CompressedKV
 from .layers import (
     GROWTH_FACTOR,
     _mark_static,
@@ -136,6 +137,10 @@ class KVQuantizer:
     def bytes_per_token(self, scale_element_size: int) -> int:
         """Stored bytes per token and head: the codes plus one scale per group."""
         return self.packed_dim * torch.empty((), dtype=self.storage_dtype).element_size() + self.groups * scale_element_size
+
+    def rotation_matrix(self, reference: torch.Tensor) -> torch.Tensor | None:
+        """The `[group, group]` Hadamard matrix on `reference`'s device (None without rotation)."""
+        return self._rotation_for(reference) if self.rotate else None
 
     def _rotation_for(self, reference: torch.Tensor) -> torch.Tensor:
         if self._rotation is None or self._rotation.device != reference.device:
@@ -311,6 +316,10 @@ class QuantizedFullLayer(_StorageLayer):
         self.key_calibration = key_calibration
         self.workspace = workspace
         self.initial_capacity = int(initial_capacity)
+        # Query rounding of attention on the codes: 1 = int8, 2 = int8 + int8 residual (`code_attention`).
+        self.code_query_parts = 1
+        # Longest step that attends on the codes (longer ones are prefill chunks: dequantized, as before).
+        self.code_max_query_length = MAX_CODE_QUERY_LENGTH
         self._codes: dict[str, torch.Tensor] = {}
         self._scales: dict[str, torch.Tensor] = {}
         # role -> (shift, scale) `[batch, kv_heads, 1, head_dim]`: see `_calibrate` (keys only, when enabled).
@@ -428,20 +437,52 @@ class QuantizedFullLayer(_StorageLayer):
         return out
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, return_codes: bool = False, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens compressed; return `[batch, kv_heads, length, head_dim]` keys/values in model dtype
-        (history dequantized, this step's tokens exact), valid until the next compressed layer's update."""
+        (history dequantized, this step's tokens exact), valid until the next compressed layer's update.
+
+        With `return_codes=True`, a step of at most `MAX_CODE_QUERY_LENGTH` tokens over a non-empty int8 / int4
+        history returns `CompressedKV` handles instead (`hybrid_cache.code_attention`): the same keys and values,
+        read from the codes by the registered attention function; nothing is dequantized. Other steps (prefill
+        chunks, the first update) return dequantized tensors as without it.
+        """
         self._prepare(key_states, value_states)
         start = self.cumulative_length
         self._grow(start + key_states.shape[-2], key_states.shape[-2])
         if start == 0:
             self._calibrate(key_states)
+        if return_codes and self.uses_codes(start, key_states.shape[-2]):
+            history = self.compressed_history(start, key_states, value_states)
+            self._write(key_states, value_states, start)
+            self.cumulative_length = start + key_states.shape[-2]
+            return CompressedKV(history, "keys"), CompressedKV(history, "values")
         keys = self._returned("keys", start, key_states)
         values = self._returned("values", start, value_states)
         self._write(key_states, value_states, start)
         self.cumulative_length = start + key_states.shape[-2]
         return keys, values
+
+    # --- attention on the codes ------------------------------------------------------------------------------------
+    def uses_codes(self, history_length: int, query_length: int) -> bool:
+        """Whether a step of `query_length` tokens after `history_length` stored ones can attend on the codes."""
+        return (
+            self.mode in CODE_ATTENTION_MODES and history_length > 0 and query_length <= self.code_max_query_length
+        )
+
+    def compressed_history(self, length: int, key_states: torch.Tensor, value_states: torch.Tensor
+                           ) -> CompressedHistory:
+        """Views of the codes, scales and calibration of the first `length` tokens, with this step's exact states."""
+        shift, scale = self._calibration.get("keys", (None, None))
+        return CompressedHistory(
+            mode=self.mode,
+            key_codes=self._codes["keys"][:, :, :length], key_scales=self._scales["keys"][:, :, :length],
+            value_codes=self._codes["values"][:, :, :length], value_scales=self._scales["values"][:, :, :length],
+            key_shift=shift, key_scale=scale,
+            key_rotation=self.quantizers["keys"].rotation_matrix(key_states),
+            value_rotation=self.quantizers["values"].rotation_matrix(value_states),
+            current_keys=key_states, current_values=value_states, query_parts=self.code_query_parts,
+        )
 
     # --- protocol -------------------------------------------------------------------------------------------------
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..compare import kv_bytes_held, make_cache, text_config
+from ..compare import QUANTIZED_CACHES, kv_bytes_held, make_cache, text_config
 from .compiled import COMPILEABLE_CACHES, CompileOptions, compiled_decode_once, new_compiled
 from .instrument import CacheOpTimer, count_update_copy_bytes
 from .machine import Contention, ContentionMeter, sync
@@ -144,6 +144,14 @@ def _decode_once(model: Any, cache_name: str, batch: int, context: int, steps: i
     return _DecodeRun(step_ms, update_ms, mask_ms, trace, copy_bytes, by_op)
 
 
+def _must_read(cache_name: str, exact_must_read: int, weights: int, held: int) -> int:
+    """Bytes a decode step must read: the weights and the live K/V in the model dtype, or for compressed caches
+    (``ring-int*``, ``ring-fp8``) the weights and the K/V bytes they hold (codes, scales, exact sliding rings)."""
+    if cache_name in QUANTIZED_CACHES:
+        return min(exact_must_read, weights + held)
+    return exact_must_read
+
+
 def run_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, contexts: Sequence[int],
                   batches: Sequence[int], caches: Sequence[str], steps: int, warmup: int, reps: int,
                   bandwidth_gbps: float, log: Callable[[str], None] = print, device: torch.device | str = "cpu",
@@ -230,7 +238,8 @@ def run_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, contexts: 
                     mask_ms_per_step_median=mask_med,
                     kv_bytes=held, copy_bytes_per_step=copies, copy_bytes_by_op=by_op,
                     bytes_must_read_per_step=must_read,
-                    roofline_pct_of_bandwidth=100.0 * (must_read / (median / 1e3)) / (bandwidth_gbps * 1e9),
+                    roofline_pct_of_bandwidth=100.0 * (_must_read(cache_name, must_read, weights, held)
+                                                       / (median / 1e3)) / (bandwidth_gbps * 1e9),
                     tokens_per_s=1e3 * batch / median, step_times_ms=[round(t, 3) for t in r["step"]],
                     device=device_name, peak_memory_bytes=peaks.get(index),
                     kv_trace=trace, kv_bytes_peak=max(b for _, b in trace),
@@ -245,7 +254,8 @@ def run_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, contexts: 
                     log(f"  {dtype_name:>8} ctx={context:>6} B={batch:>2} {cache_name:>9}: "
                         f"{median:8.2f} ms/tok (min {result.ms_per_token_min:.2f}), cache {cache_med:.3f} "
                         f"ms/step, KV {held / 2**20:.1f} MiB (max {result.kv_ratio_to_exact_max:.3f}x exact), "
-                        f"copies {copies / 2**20:.3f} MiB/step{busy}")
+                        f"copies {copies / 2**20:.3f} MiB/step, roofline {result.roofline_pct_of_bandwidth:.0f}%, "
+                        f"load {result.loadavg_max}{busy}")
                 else:
                     log(f"  {dtype_name:>8} ctx={context:>6} B={batch:>2} {cache_name:>9} compiled "
                         f"(masks {compiled.mask}, dynamic={compiled.dynamic}): {median:8.2f} ms/tok "

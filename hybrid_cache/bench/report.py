@@ -57,6 +57,10 @@ def _comparison_table(rows: dict[tuple, dict[str, Any]], caches: Sequence[str], 
     return "\n".join(lines)
 
 
+# Compressed caches printed as a ratio to the exact ring (attention on the codes, and the dequantizing path).
+COMPRESSED_RATIO_CACHES = ("ring-int8", "ring-int4", "ring-int8-deq", "ring-int4-deq")
+
+
 def format_table(results: Sequence[BenchResult], caches: Sequence[str], full: bool = True) -> str:
     """One row per (model, window, dtype, context, batch); per cache ms/token median/min, cache ms/step, KV MiB, copy
     MiB (compact, ``full=False``: the median ms/token only); ring/static and ring/dynamic ratios of the medians; ``!``
@@ -80,7 +84,8 @@ def format_table(results: Sequence[BenchResult], caches: Sequence[str], full: bo
         lambda k: f"{k[0]:<8}{k[1] or 0:>5} {k[2]:<9}{k[3]:>6}{k[4]:>3}",
         (lambda c: f"{c + ' ms/tok med/min':>22}{'cache ms':>9}{'KV MiB':>9}{'copy MiB':>9}") if full
         else (lambda c: f"{c + ' ms/tok':>11}"), cell if full else compact_cell,
-        lambda r: r.ms_per_token_median, (("ring", "static"), ("ring", "dynamic")))
+        lambda r: r.ms_per_token_median,
+        (("ring", "static"), ("ring", "dynamic"), *((name, "ring") for name in COMPRESSED_RATIO_CACHES)))
 
 
 def format_memory_table(results: Sequence[BenchResult], caches: Sequence[str], full: bool = True) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..code_attention import CODE_ATTENTION
 from ..compare import layer_kv_geometry, text_config
 
 __all__ = [
@@ -69,21 +70,25 @@ def build_tiny_model(window: int = 512, dtype: torch.dtype = torch.float32, laye
     config = Gemma3TextConfig(
         vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=query_heads, num_key_value_heads=kv_heads, head_dim=head_dim, sliding_window=window,
-        max_position_embeddings=1 << 17, attn_implementation="sdpa", pad_token_id=0, bos_token_id=2, eos_token_id=1,
+        max_position_embeddings=1 << 17, attn_implementation=CODE_ATTENTION, pad_token_id=0, bos_token_id=2, eos_token_id=1,
     )
     return Gemma3ForCausalLM(config).eval().to(dtype)
 
 
 def load_bench_model(name: str, dtype: torch.dtype, window: int | None = None, device: str = "cpu") -> Any:
     """A name of `TINY_MODELS` -> :func:`build_tiny_model` with that geometry (`window` overrides its window);
-    anything else -> :func:`hybrid_cache.models.load_model` (``default`` = the embedded Gemma 3 270M)."""
+    anything else -> :func:`hybrid_cache.models.load_model` (``default`` = the embedded Gemma 3 270M).
+
+    Models are loaded with attention implementation ``"hybrid_cache_sdpa"``: transformers' SDPA for every call
+    except the decode steps of compressed full layers, which attend on their codes (`hybrid_cache.code_attention`;
+    the ``ring-int*-deq`` caches keep dequantizing)."""
     if name in TINY_MODELS:
         g = TINY_MODELS[name]
         return build_tiny_model(window=window or g.window, dtype=dtype, layers=g.layers, head_dim=g.head_dim,
                                 query_heads=g.query_heads, kv_heads=g.kv_heads).to(device)
     from hybrid_cache.models import load_model  # lazy: only the real-model path needs it
 
-    model, _ = load_model(None if name in ("default", "") else name, dtype=dtype, attn_implementation="sdpa")
+    model, _ = load_model(None if name in ("default", "") else name, dtype=dtype, attn_implementation=CODE_ATTENTION)
     return model.eval().to(device)
 
 
