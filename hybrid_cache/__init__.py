@@ -2,6 +2,7 @@
 
 from .attention_maps import attention_in_time_order
 from .cache import HybridRingCache, MemoryReport
+from .compat import CACHE_KEYWORD, UnsupportedReleaseError, cache_kwargs
 from .distributed import restrict_to_stage, stage_layers
 from .layers import (
     CacheCapacityError,
@@ -11,8 +12,6 @@ from .layers import (
     StaticFullLayer,
     StaticRingSlidingLayer,
 )
-from .quantized import QUANTIZATION_MODES, KVQuantizer, QuantizedFullLayer, StaticQuantizedFullLayer
-from .streaming import SinkWindowFullLayer
 from .mask_hook import (
     RingLayout,
     UnsupportedAttentionError,
@@ -21,9 +20,13 @@ from .mask_hook import (
     is_mask_hook_installed,
     uninstall_mask_hook,
 )
+from .quantized import QUANTIZATION_MODES, KVQuantizer, QuantizedFullLayer, StaticQuantizedFullLayer
 from .snapshot import CacheCheckpoint, read_metadata
+from .streaming import SinkWindowFullLayer
+from .switch import disable, enable, is_enabled
 
 __all__ = [
+    "CACHE_KEYWORD",
     "CacheCapacityError",
     "CacheCheckpoint",
     "GrowableFullLayer",
@@ -40,8 +43,13 @@ __all__ = [
     "StaticQuantizedFullLayer",
     "StaticRingSlidingLayer",
     "UnsupportedAttentionError",
+    "UnsupportedReleaseError",
     "WindowMismatchError",
     "attention_in_time_order",
+    "cache_kwargs",
+    "disable",
+    "enable",
+    "is_enabled",
     "install_mask_hook",
     "is_mask_hook_installed",
     "restrict_to_stage",

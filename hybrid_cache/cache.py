@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DummyLayer
+from transformers.cache_utils import Cache
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import is_torchdynamo_compiling
 
+from .compat import DummyLayer, kv_sharing_modes
 from .distributed import check_stage_layers, parallel_sizes, stage_layers
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
 from .mask_hook import (
@@ -23,8 +24,8 @@ from .mask_hook import (
     install_mask_hook,
     is_mask_hook_installed,
 )
-from .snapshot import CacheCheckpoint, load_cache, restore_checkpoint, save_cache, take_checkpoint
 from .quantized import QUANTIZATION_MODES, DequantWorkspace, QuantizedFullLayer, StaticQuantizedFullLayer
+from .snapshot import CacheCheckpoint, load_cache, restore_checkpoint, save_cache, take_checkpoint
 from .streaming import SinkWindowFullLayer
 
 __all__ = ["HybridRingCache", "MemoryReport"]
@@ -107,7 +108,7 @@ def _layer_plan(text_config: PreTrainedConfig) -> list[tuple[str, int | None]]:
         raise ValueError(
             f"config.layer_types has {len(layer_types)} entries but num_hidden_layers={num_layers}; fix the config."
         )
-    sharing = getattr(text_config, "kv_sharing_modes", None) or [None] * num_layers
+    sharing = kv_sharing_modes(text_config) or [None] * num_layers
     per_layer_configs = getattr(text_config, "per_layer_config", None)
     plan = []
     for index, (layer_type, mode) in enumerate(zip(layer_types, sharing)):
@@ -187,7 +188,7 @@ class HybridRingCache(Cache):
     ```python
     >>> from hybrid_cache import HybridRingCache
     >>> cache = HybridRingCache(model.config)
-    >>> out = model.generate(**inputs, cache=cache, max_new_tokens=64)
+    >>> out = model.generate(**inputs, **cache_kwargs(cache), max_new_tokens=64)
     >>> print(cache.memory_report())
     ```
     """

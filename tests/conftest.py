@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig
 
+from hybrid_cache.compat import cache_kwargs
+
 VOCAB = 101
 
 
@@ -130,7 +132,7 @@ def chunked_logits(
     for size in schedule:
         chunk = input_ids[:, position : position + size]
         mask = None if attention_mask is None else attention_mask[:, : position + size]
-        outputs.append(model(input_ids=chunk, attention_mask=mask, cache=cache, use_cache=True).logits)
+        outputs.append(model(input_ids=chunk, attention_mask=mask, **cache_kwargs(cache), use_cache=True).logits)
         position += size
     assert position == input_ids.shape[1]
     return torch.cat(outputs, dim=1)

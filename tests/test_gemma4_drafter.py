@@ -12,6 +12,7 @@ from transformers import DynamicCache, Gemma4TextConfig
 from transformers.models.gemma4_assistant import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
 from hybrid_cache import HybridRingCache
+from hybrid_cache.compat import cache_kwargs
 
 WINDOW = 4
 
@@ -55,7 +56,7 @@ def test_drafter_logits_equal_dynamic_cache(attn, rollback_margin):
         for name, cache in (("ring", HybridRingCache(target.config, rollback_margin=rollback_margin)),
                             ("dynamic", DynamicCache(config=target.config))):
             drafted.clear()
-            runs[name] = (target.generate(**kwargs, cache=cache), list(drafted))
+            runs[name] = (target.generate(**kwargs, **cache_kwargs(cache)), list(drafted))
     (ring_tokens, ring_logits), (dynamic_tokens, dynamic_logits) = runs["ring"], runs["dynamic"]
     assert torch.equal(ring_tokens, dynamic_tokens)
     assert len(ring_logits) == len(dynamic_logits) > 10, "the drafter should have run many times, past the wrap"

@@ -18,6 +18,7 @@ from conftest import MODEL_BUILDERS, VOCAB, tiny_gemma3
 from transformers import DynamicCache
 
 from hybrid_cache import HybridRingCache, RingSlidingLayer
+from hybrid_cache.compat import cache_kwargs
 
 WINDOW = 6
 PROMPT_LEN = 15
@@ -274,7 +275,7 @@ def test_deepcopy_prefix_two_continuations(model_name):
     model = get_model(model_name)
     prefix = random_prompt(PROMPT_LEN, seed=3)[None]
     prefix_cache = HybridRingCache(model.config)
-    model(input_ids=prefix, cache=prefix_cache, use_cache=True)
+    model(input_ids=prefix, **cache_kwargs(prefix_cache), use_cache=True)
     assert prefix_cache.get_seq_length() == PROMPT_LEN > WINDOW
     for seed in (41, 42):
         continuation = random_prompt(4, seed=seed)[None]
@@ -296,7 +297,7 @@ def test_cache_argument_spelling(model_name, spelling):
     kwargs = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": PAD}
     with torch.no_grad():
         if spelling == "cache":
-            out = model.generate(**inputs, cache=cache, **kwargs)
+            out = model.generate(**inputs, **cache_kwargs(cache), **kwargs)
         else:
             with pytest.warns(FutureWarning, match="past_key_values"):
                 out = model.generate(**inputs, past_key_values=cache, **kwargs)

@@ -17,6 +17,7 @@ from transformers.masking_utils import (
 
 import hybrid_cache.mask_hook as mask_hook
 from hybrid_cache import HybridRingCache, RingLayout, UnsupportedAttentionError, install_mask_hook
+from hybrid_cache.compat import cache_kwargs
 from hybrid_cache.mask_hook import DenseMaskRequest, WindowMismatchError
 
 
@@ -214,7 +215,7 @@ def test_prepared_4d_mask_after_wrap_raises():
     chunked_logits(model, cache, input_ids[:, :6], [6])
     mask_4d = torch.ones(1, 1, 1, 7, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="4D attention mask"):
-        model(input_ids=input_ids[:, 6:7], attention_mask=mask_4d, cache=cache)
+        model(input_ids=input_ids[:, 6:7], attention_mask=mask_4d, **cache_kwargs(cache))
 
 
 def test_mask_interface_default_instance_sees_hook():
