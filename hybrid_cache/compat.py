@@ -11,7 +11,9 @@ transformers changed and what this module does on either side of it.
 | config `kv_sharing_modes` (Gemma 4)    | 5.23       | `kv_sharing_modes` (from `num_kv_shared_layers` before)    |
 | `Cache.max_cache_len` assignable       | 5.20       | `HybridRingCache` keeps its own value (no change needed)   |
 | `get_max_length` / `get_max_cache_shape` | 5.13     | `CacheLayerMixin` answers both                             |
-| assisted / prompt-lookup rollback      | 5.18       | `ROLLBACK_SINCE`, `check_rollback_supported`               |
+| `generate` turns on past recording     | 5.14       | `PAST_RECORDING_SINCE`: crops past the margin raise        |
+| assisted / prompt-lookup after the wrap| 5.18       | `ROLLBACK_SINCE`, `check_rollback_supported`               |
+| `DynamicCache` sliding crop past window| 5.15       | `DYNAMIC_SLIDING_CROP_SINCE` (tests' reference only)       |
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ __all__ = [
     "CACHE_KEYWORD",
     "CACHE_KEYWORD_SINCE",
     "OLDEST_SUPPORTED",
+    "DYNAMIC_SLIDING_CROP_SINCE",
+    "PAST_RECORDING_SINCE",
     "ROLLBACK_SINCE",
     "TRANSFORMERS_VERSION",
     "CacheLayerMixin",
@@ -37,6 +41,7 @@ __all__ = [
     "cache_kwargs",
     "check_rollback_supported",
     "kv_sharing_modes",
+    "rollback_release_note",
     "rollback_supported",
 ]
 
@@ -44,6 +49,8 @@ TRANSFORMERS_VERSION = Version(Version(transformers.__version__).base_version)
 OLDEST_SUPPORTED = Version("5.5")  # Gemma 4's first release; also declared in pyproject.toml
 CACHE_KEYWORD_SINCE = Version("5.24")
 ROLLBACK_SINCE = Version("5.18")
+PAST_RECORDING_SINCE = Version("5.14")
+DYNAMIC_SLIDING_CROP_SINCE = Version("5.15")
 _DUMMY_LAYER_SINCE = Version("5.23")
 
 
@@ -158,17 +165,30 @@ def kv_sharing_modes(text_config: Any) -> list[str | None] | None:
 
 # --- rollback (assisted and prompt-lookup decoding) ----------------------------------------------------------------
 def rollback_supported() -> bool:
-    """Whether `generate`'s assisted / prompt-lookup decoding can be undone exactly by a wrapped ring on the installed
-    release: from 5.18 (earlier releases either never turn on past recording or build the verification step's mask
-    outside transformers' mask functions)."""
+    """Whether `generate`'s assisted / prompt-lookup decoding runs exactly with a wrapped ring on the installed
+    release: from 5.18. Before 5.14 `generate` never turns on past recording, so a ring can undo rejected draft tokens
+    only within its `rollback_margin` (larger rollbacks raise `RollbackError`, naming 5.18); 5.14 to 5.17 turn it on,
+    but their verification steps after the wrap are not exact with a ring (measured: the step's mask is not built
+    from the ring's layout), so `activate_past_recording` refuses there."""
     return TRANSFORMERS_VERSION >= ROLLBACK_SINCE
+
+
+def rollback_release_note() -> str:
+    """What to add to a refused rollback's message on the installed release ('' from 5.18)."""
+    if rollback_supported():
+        return ""
+    return (
+        f" (transformers {transformers.__version__}'s assisted / prompt-lookup decoding does not record the window it "
+        f"would need: with HybridRingCache it is exact from transformers {ROLLBACK_SINCE}, or here with "
+        f"`rollback_margin` >= the number of draft tokens per step.)"
+    )
 
 
 def check_rollback_supported(what: str = "assisted / prompt-lookup decoding") -> None:
     """Raise `UnsupportedReleaseError` naming the release that supports `what` when the installed one does not."""
     if not rollback_supported():
         raise UnsupportedReleaseError(
-            f"{what} with HybridRingCache needs transformers >= {ROLLBACK_SINCE} once the sliding-window ring has "
-            f"wrapped (rolling back rejected draft tokens); the installed {transformers.__version__} cannot run it "
-            f"exactly. Upgrade transformers, or use DynamicCache for this generation."
+            f"{what} with HybridRingCache needs transformers >= {ROLLBACK_SINCE}; the installed "
+            f"{transformers.__version__} cannot run it exactly once the sliding-window ring has wrapped. Upgrade "
+            f"transformers, or use DynamicCache for this generation."
         )
