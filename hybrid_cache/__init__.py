@@ -1,5 +1,7 @@
 """hybrid_cache: an exact, memory-minimal KV cache for transformers' hybrid local/global attention models."""
 
+import os
+
 from .attention_maps import attention_in_time_order
 from .cache import HybridRingCache, MemoryReport
 from .compat import CACHE_KEYWORD, UnsupportedReleaseError, cache_kwargs
@@ -34,6 +36,7 @@ __all__ = [
     "KVQuantizer",
     "MemoryReport",
     "QUANTIZATION_MODES",
+    "RING_PERPLEXITY_METRIC",
     "QuantizedFullLayer",
     "RingLayout",
     "RingSlidingLayer",
@@ -58,3 +61,5 @@ __all__ = [
     "uninstall_mask_hook",
 ]
 __version__ = "0.1.0"
+#: The folder of the `evaluate` metric module "ring_perplexity": `evaluate.load(hybrid_cache.RING_PERPLEXITY_METRIC)`.
+RING_PERPLEXITY_METRIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics", "ring_perplexity")
