@@ -14,6 +14,7 @@ transformers changed and what this module does on either side of it.
 | `generate` turns on past recording     | 5.14       | `PAST_RECORDING_SINCE`: crops past the margin raise        |
 | assisted / prompt-lookup after the wrap| 5.18       | `ROLLBACK_SINCE`, `check_rollback_supported`               |
 | `DynamicCache` sliding crop past window| 5.15       | `DYNAMIC_SLIDING_CROP_SINCE` (tests' reference only)       |
+| Gemma 4 KV sharing without a cache     | 5.5.2      | `no_cache_forward_is_exact` (tests' oracle only)           |
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "cache_kwargs",
     "check_rollback_supported",
     "kv_sharing_modes",
+    "no_cache_forward_is_exact",
     "rollback_release_note",
     "rollback_supported",
 ]
@@ -50,6 +52,7 @@ OLDEST_SUPPORTED = Version("5.5")  # Gemma 4's first release; also declared in p
 CACHE_KEYWORD_SINCE = Version("5.24")
 ROLLBACK_SINCE = Version("5.18")
 PAST_RECORDING_SINCE = Version("5.14")
+_NO_CACHE_KV_SHARING_SINCE = Version("5.5.2")
 DYNAMIC_SLIDING_CROP_SINCE = Version("5.15")
 _DUMMY_LAYER_SINCE = Version("5.23")
 
@@ -161,6 +164,18 @@ def kv_sharing_modes(text_config: Any) -> list[str | None] | None:
     if shared <= 0 or first_shared <= 0:
         return None
     return [("reuse" if index >= first_shared else None) for index in range(layers)]
+
+
+def no_cache_forward_is_exact(config: Any) -> bool:
+    """Whether transformers' own forward *without* a cache (`use_cache=False`) computes the model on the installed
+    release. Not so on 5.5.0 and 5.5.1 for Gemma 4 with KV-shared layers: without a cache those layers compute keys
+    and values of their own instead of reusing the earlier layer's (fixed in 5.5.2); with any cache (DynamicCache or
+    HybridRingCache, hence in every `generate` that caches) they reuse them. The tests' no-cache oracle uses a one-shot
+    DynamicCache forward there instead."""
+    if TRANSFORMERS_VERSION >= _NO_CACHE_KV_SHARING_SINCE:
+        return True
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return not (getattr(text_config, "model_type", "").startswith("gemma4") and kv_sharing_modes(text_config))
 
 
 # --- rollback (assisted and prompt-lookup decoding) ----------------------------------------------------------------

@@ -28,6 +28,7 @@ from hybrid_cache.compat import (
     TRANSFORMERS_VERSION,
     UnsupportedReleaseError,
     cache_kwargs,
+    no_cache_forward_is_exact,
     rollback_supported,
 )
 
@@ -100,7 +101,9 @@ def generate(
     """
     if seed is not None:
         torch.manual_seed(seed)
-    if cache == "none":
+    if cache == "none" and not no_cache_forward_is_exact(model.config):
+        kwargs.update(cache_kwargs(make_cache("dynamic", model)))  # see conftest.no_cache_logits
+    elif cache == "none":
         kwargs["use_cache"] = False
     elif isinstance(cache, str):
         kwargs.update(cache_kwargs(make_cache(cache, model)))
