@@ -247,7 +247,7 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from conftest import MODEL_BUILDERS
 from safetensors.torch import save_file
-from hybrid_cache import HybridRingCache
+from hybrid_cache import HybridRingCache, cache_kwargs
 torch.set_num_threads(1)  # as in this module: same kernels, same summation order, bit-identical logits
 for name in ("gemma3", "gemma4"):
     for dtype in (torch.float32, torch.bfloat16):
