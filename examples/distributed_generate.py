@@ -19,7 +19,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 from transformers.distributed import DistributedConfig
 
-from hybrid_cache import HybridRingCache
+from hybrid_cache import HybridRingCache, cache_kwargs
 from hybrid_cache.planner import plan_kv_memory
 
 
@@ -55,7 +55,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     input_ids = torch.randint(3, 100, (2, 12), device=model.device)
-    out = model.generate(input_ids, cache=cache, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+    out = model.generate(input_ids, **cache_kwargs(cache), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
 
     rank, report = dist.get_rank(), cache.memory_report()
     plan = plan_kv_memory(

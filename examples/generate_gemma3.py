@@ -26,7 +26,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList  # noqa: E402
 
-from hybrid_cache import HybridRingCache  # noqa: E402
+from hybrid_cache import (
+    HybridRingCache,  # noqa: E402
+    cache_kwargs,
+)
 from hybrid_cache.compare import full_cache_bytes_per_token, kv_bytes_held  # noqa: E402
 from hybrid_cache.progress import Progress  # noqa: E402
 
@@ -52,7 +55,7 @@ def generate(model: Any, inputs: dict[str, torch.Tensor], cache: Any, name: str,
         recorder = KVRecorder(cache, progress)
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
+            out = model.generate(**inputs, **cache_kwargs(cache), max_new_tokens=max_new_tokens, do_sample=False,
                                  logits_processor=LogitsProcessorList([recorder]))
         seconds = time.perf_counter() - start
     return out, recorder.trace, seconds

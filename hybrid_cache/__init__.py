@@ -1,36 +1,44 @@
 """hybrid_cache: an exact, memory-minimal KV cache for transformers' hybrid local/global attention models.
 
-The public API is `__all__`: the cache and what it reports, snapshots, attention maps, pipeline-stage helpers and the
-errors. Storage classes, the quantizer and the mask hook's controls stay importable from their modules
-(`hybrid_cache.layers`, `hybrid_cache.quantized`, `hybrid_cache.streaming`, `hybrid_cache.mask_hook`).
+The public API is `__all__`: the cache and what it reports, the switch that gives every `generate()` call a ring
+(`enable` / `disable`), the cache keyword of the installed transformers release, attention on compressed codes,
+attention maps, pipeline-stage helpers and the errors. Storage classes, the quantizer, the mask hook's controls and the
+remaining errors stay importable from their modules (`hybrid_cache.layers`, `hybrid_cache.quantized`,
+`hybrid_cache.streaming`, `hybrid_cache.mask_hook`, `hybrid_cache.errors`, ...).
 """
+
+import os
 
 from .attention_maps import attention_in_time_order
 from .cache import HybridRingCache, MemoryReport
 from .code_attention import use_code_attention
+from .compat import cache_kwargs
 from .distributed import restrict_to_stage, stage_layers
 from .errors import (
     CacheCapacityError,
-    CodeAttentionError,
     ConversationMismatchError,
     HybridCacheError,
     RollbackError,
     UnsupportedAttentionError,
     WindowMismatchError,
 )
-from .snapshot import CacheCheckpoint, read_metadata
+from .snapshot import CacheCheckpoint
+from .switch import disable, enable
 
 # Importable from the package for code written against earlier releases; documented in their modules.
 from .code_attention import CODE_ATTENTION, register_code_attention  # noqa: F401, E402
+from .compat import CACHE_KEYWORD  # noqa: F401, E402
+from .errors import CodeAttentionError, UnsupportedReleaseError  # noqa: F401, E402
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer  # noqa: F401, E402
 from .mask_hook import RingLayout, install_mask_hook, is_mask_hook_installed, uninstall_mask_hook  # noqa: F401, E402
 from .quantized import QUANTIZATION_MODES, KVQuantizer, QuantizedFullLayer, StaticQuantizedFullLayer  # noqa: F401, E402
+from .snapshot import read_metadata  # noqa: F401, E402
 from .streaming import SinkWindowFullLayer  # noqa: F401, E402
+from .switch import is_enabled  # noqa: F401, E402
 
 __all__ = [
     "CacheCapacityError",
     "CacheCheckpoint",
-    "CodeAttentionError",
     "ConversationMismatchError",
     "HybridCacheError",
     "HybridRingCache",
@@ -39,9 +47,14 @@ __all__ = [
     "UnsupportedAttentionError",
     "WindowMismatchError",
     "attention_in_time_order",
-    "read_metadata",
+    "cache_kwargs",
+    "disable",
+    "enable",
     "restrict_to_stage",
     "stage_layers",
     "use_code_attention",
 ]
 __version__ = "0.1.0"
+
+#: The folder of the `evaluate` metric module "ring_perplexity": `evaluate.load(hybrid_cache.RING_PERPLEXITY_METRIC)`.
+RING_PERPLEXITY_METRIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics", "ring_perplexity")

@@ -10,8 +10,8 @@ Example:
 ```python
 >>> from hybrid_cache import HybridRingCache, attention_in_time_order
 >>> cache = HybridRingCache(model.config)  # model loaded with attn_implementation="eager"
->>> out = model(input_ids=prompt, cache=cache)
->>> out = model(input_ids=next_token, cache=cache, output_attentions=True)
+>>> out = model(input_ids=prompt, **cache_kwargs(cache))  # from hybrid_cache import cache_kwargs
+>>> out = model(input_ids=next_token, **cache_kwargs(cache), output_attentions=True)
 >>> weights = attention_in_time_order(out.attentions[0], cache.key_positions(0))
 >>> weights.shape  # [batch, heads, 1, tokens so far]; zero where the layer's window does not reach
 ```

@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DummyLayer
+from transformers.cache_utils import Cache
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import is_torchdynamo_compiling
 
 from .code_attention import CODE_ATTENTION, CODE_ATTENTION_MODES
+from .compat import DummyLayer, check_rollback_supported, kv_sharing_modes, rollback_release_note
 from .distributed import check_stage_layers, parallel_sizes, stage_layers
-from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
+from .layers import GrowableFullLayer, RingSlidingLayer, RollbackError, StaticFullLayer, StaticRingSlidingLayer
 from .mask_hook import (
     CacheOffset,
     ConversationMismatchError,
@@ -111,7 +112,7 @@ def _layer_plan(text_config: PreTrainedConfig) -> list[tuple[str, int | None]]:
         raise ValueError(
             f"config.layer_types has {len(layer_types)} entries but num_hidden_layers={num_layers}; fix the config."
         )
-    sharing = getattr(text_config, "kv_sharing_modes", None) or [None] * num_layers
+    sharing = kv_sharing_modes(text_config) or [None] * num_layers
     per_layer_configs = getattr(text_config, "per_layer_config", None)
     plan = []
     for index, (layer_type, mode) in enumerate(zip(layer_types, sharing)):
@@ -199,7 +200,7 @@ class HybridRingCache(Cache):
     ```python
     >>> from hybrid_cache import HybridRingCache
     >>> cache = HybridRingCache(model.config)
-    >>> out = model.generate(**inputs, cache=cache, max_new_tokens=64)
+    >>> out = model.generate(**inputs, **cache_kwargs(cache), max_new_tokens=64)
     >>> print(cache.memory_report())
     ```
     """
@@ -282,6 +283,16 @@ class HybridRingCache(Cache):
         # Layers whose one-token steps can return keys out of time order (sliding rings, bounded full layers).
         self._first_ring = next((i for i, layer in enumerate(layers) if isinstance(layer, _RING_LAYERS)), None)
         install_mask_hook()
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """The fixed full-attention capacity given to the constructor (`None`: storage that grows). Our own
+        attribute: transformers' `Cache` had a read-only `max_cache_len` property up to 5.19."""
+        return self.__dict__.get("_max_cache_len", self.__dict__.get("max_cache_len"))  # (pickles of older versions)
+
+    @max_cache_len.setter
+    def max_cache_len(self, value: int | None) -> None:
+        self.__dict__["_max_cache_len"] = value
 
     def __setstate__(self, state: dict) -> None:
         # Unpickling (`pickle`, `torch.load`, `copy.deepcopy` in a new process) skips `__init__`: the mask hook must
@@ -414,7 +425,12 @@ class HybridRingCache(Cache):
         at all: every layer is checked first, so a refused crop raises `RollbackError` and changes nothing."""
         storing = [layer for layer in self.layers if not isinstance(layer, DummyLayer)]
         for layer in storing:
-            layer.check_crop(tokens_to_remove)
+            try:
+                layer.check_crop(tokens_to_remove)
+            except RollbackError as error:
+                if note := rollback_release_note():
+                    raise RollbackError(f"{error}{note}") from error
+                raise
         for layer in storing:
             layer.crop(tokens_to_remove)
         self._forget_step_layout()
@@ -426,6 +442,15 @@ class HybridRingCache(Cache):
     def _forget_step_layout(self) -> None:
         # After a crop or reset the same (length, query length) step can come again: it must get a new layout.
         self._issued_layouts, self._issued_step, self._verified_step = {}, None, None
+
+    def activate_past_recording(self) -> None:
+        """Keep the window of each multi-token step until the next one, so that `crop` can undo it exactly (what
+        `generate`'s assisted / prompt-lookup decoding calls, from transformers 5.14). Raises `UnsupportedReleaseError`
+        on 5.14 to 5.17, whose speculative decoding is not exact with a wrapped ring (see `compat.rollback_supported`)."""
+        check_rollback_supported()
+        for layer in self.layers:
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
 
     def deactivate_past_recording(self) -> None:
         """Stop keeping the window of the last multi-token step for rollbacks, and release it.

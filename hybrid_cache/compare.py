@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from .cache import HybridRingCache
+from .compat import kv_sharing_modes
 
 __all__ = [
     "CACHE_NAMES",
@@ -103,7 +104,7 @@ def layer_kv_geometry(model_or_config: Any) -> list[tuple[int, int] | None]:
     """
     config = text_config(model_or_config)
     per_layer = getattr(config, "per_layer_config", None) or [config] * config.num_hidden_layers
-    sharing = getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers
+    sharing = kv_sharing_modes(config) or [None] * config.num_hidden_layers
     geometry = []
     for layer_config, mode in zip(per_layer, sharing):
         if mode == "reuse":

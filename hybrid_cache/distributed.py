@@ -18,7 +18,9 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
-from transformers.cache_utils import Cache, DummyLayer
+from transformers.cache_utils import Cache
+
+from .compat import DummyLayer, kv_sharing_modes
 
 __all__ = [
     "check_stage_layers",
@@ -95,7 +97,7 @@ def check_stage_layers(text_config: Any, layers: Iterable[int]) -> list[int]:
         )
     if held[0] < 0 or held[-1] >= num_layers:
         raise ValueError(f"stage_layers={held} is outside the model's {num_layers} layers (0..{num_layers - 1}).")
-    modes = getattr(text_config, "kv_sharing_modes", None) or [None] * num_layers
+    modes = kv_sharing_modes(text_config) or [None] * num_layers
     layer_types = getattr(text_config, "layer_types", None) or [None] * num_layers
     producers = {layer_types[index]: index for index, mode in enumerate(modes) if mode == "store"}
     for index in held:

@@ -10,6 +10,7 @@ __all__ = [
     "HybridCacheError",
     "RollbackError",
     "UnsupportedAttentionError",
+    "UnsupportedReleaseError",
     "WindowMismatchError",
 ]
 
@@ -41,3 +42,7 @@ class ConversationMismatchError(HybridCacheError, ValueError):
 
 class CodeAttentionError(HybridCacheError, RuntimeError):
     """A compressed layer's `CompressedKV` handle reached code that is not hybrid_cache's code-domain attention."""
+
+
+class UnsupportedReleaseError(HybridCacheError, RuntimeError):
+    """A feature the installed transformers release cannot run exactly; the message names the release that can."""

@@ -14,9 +14,9 @@ import math
 from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 from transformers.utils import is_torchdynamo_compiling
 
+from .compat import CacheLayerMixin
 from .errors import CacheCapacityError, RollbackError
 from .mask_hook import HeldFromOffset, RingLayout
 

@@ -37,6 +37,7 @@ import torch
 from . import compare
 from .code_attention import CODE_ATTENTION, MAX_CODE_QUERY_LENGTH
 from .compare import full_cache_bytes_per_token, kv_bytes_held, peak_rss_bytes, text_config
+from .compat import cache_kwargs
 from .progress import Progress, layer_progress
 
 CACHE_NAMES = (*compare.CACHE_NAMES, "none")
@@ -210,7 +211,7 @@ def evaluate_perplexity(
         bar = Progress(n_tokens, f"{cache_name:>7}", "tok", enabled=progress)
         for start in range(0, n_tokens, chunk_size):
             chunk = ids[:, start : start + chunk_size]
-            hidden = base(input_ids=chunk, cache=cache, use_cache=True).last_hidden_state[0]
+            hidden = base(input_ids=chunk, **cache_kwargs(cache), use_cache=True).last_hidden_state[0]
             # Position p of this chunk predicts token start+p+1; the very last token of the text predicts nothing.
             n_pred = min(chunk.shape[1], n_tokens - 1 - start)
             if n_pred > 0:

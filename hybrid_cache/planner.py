@@ -33,11 +33,12 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, DynamicCache, StaticCache
-from transformers.cache_utils import DummyLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer
 from transformers.configuration_utils import PreTrainedConfig
 
 from .cache import OTHER_STAGE, HybridRingCache
 from .compare import layer_kv_geometry
+from .compat import DummyLayer
 from .distributed import pipeline_layer_range
 
 __all__ = [

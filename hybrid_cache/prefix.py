@@ -38,6 +38,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from .cache import HybridRingCache
+from .compat import cache_kwargs
 from .snapshot import read_metadata
 
 __all__ = ["prefill", "time_to_first_token", "build_prefix", "main"]
@@ -88,7 +89,7 @@ def prefill(
             mask = None if attention_mask is None else attention_mask[:, : start + end]
             logits = model(
                 input_ids=input_ids[:, begin:end], attention_mask=mask, position_ids=positions[:, begin:end],
-                cache=cache, logits_to_keep=1,
+                **cache_kwargs(cache), logits_to_keep=1,
             ).logits
     return logits[:, -1]
 
@@ -128,7 +129,7 @@ def time_to_first_token(
     start = time.perf_counter()
     cache = make_cache()
     output = model.generate(
-        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), cache=cache, streamer=clock,
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **cache_kwargs(cache), streamer=clock,
         max_new_tokens=max_new_tokens, do_sample=False, top_p=None, top_k=None,
     )
     assert clock.first_token_at is not None

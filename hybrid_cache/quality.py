@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .compare import kv_bytes_held, peak_rss_bytes
+from .compat import cache_kwargs
 from .perplexity import PerplexityResult, final_logits, make_cache
 
 __all__ = ["evaluate_against_reference", "plot_quality"]
@@ -82,7 +83,7 @@ def evaluate_against_reference(
         hidden = {}
         for name in names:
             began = time.perf_counter()
-            hidden[name] = model.model(input_ids=chunk, cache=caches[name], use_cache=True).last_hidden_state[0]
+            hidden[name] = model.model(input_ids=chunk, **cache_kwargs(caches[name]), use_cache=True).last_hidden_state[0]
             seconds[name] += time.perf_counter() - began
             traces[name].append((start + chunk.shape[1], kv_bytes_held(caches[name])))
         n_pred = min(chunk.shape[1], n_tokens - 1 - start)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig
+
+from hybrid_cache.compat import cache_kwargs, no_cache_forward_is_exact
 
 VOCAB = 101
 
@@ -116,7 +118,12 @@ MODEL_BUILDERS = {"gemma3": tiny_gemma3, "gemma4": tiny_gemma4}
 
 @torch.no_grad()
 def no_cache_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The oracle: one forward over the whole sequence, no cache, the model's native sliding-window mask."""
+    """The oracle: one forward over the whole sequence, no cache, the model's native sliding-window mask. (Where the
+    release's forward without a cache is not the model, Gemma 4's KV sharing on 5.5.0 / 5.5.1, one forward with a
+    fresh DynamicCache: `hybrid_cache.compat.no_cache_forward_is_exact`.)"""
+    if not no_cache_forward_is_exact(model.config):
+        cache = DynamicCache(config=model.config)
+        return model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), use_cache=True).logits
     return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
 
@@ -130,7 +137,7 @@ def chunked_logits(
     for size in schedule:
         chunk = input_ids[:, position : position + size]
         mask = None if attention_mask is None else attention_mask[:, : position + size]
-        outputs.append(model(input_ids=chunk, attention_mask=mask, cache=cache, use_cache=True).logits)
+        outputs.append(model(input_ids=chunk, attention_mask=mask, **cache_kwargs(cache), use_cache=True).logits)
         position += size
     assert position == input_ids.shape[1]
     return torch.cat(outputs, dim=1)

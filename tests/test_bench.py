@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybrid_cache import bench
+from hybrid_cache.compat import cache_kwargs
 
 
 def test_bench_main_json_schema(tmp_path, capsys):
@@ -68,7 +69,7 @@ def test_instrumentation_restores_patches():
     timer = bench.CacheOpTimer()
     bench.synthesize_prefill(cache, bench.random_prefill(model, 1, 20, torch.float32))
     with timer.instrument(model, cache), torch.inference_mode():
-        model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[20]]), cache=cache, use_cache=True)
+        model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[20]]), **cache_kwargs(cache), use_cache=True)
     assert timer.update_calls == 6 and timer.update_s > 0 and timer.mask_s > 0
     assert timer.max_sliding_returned == 8  # the whole ring
     assert (modeling_gemma3.create_causal_mask, modeling_gemma3.create_sliding_window_causal_mask) == before

@@ -21,6 +21,7 @@ from conftest import VOCAB, chunked_logits, tiny_gemma3, tiny_gemma4
 from transformers import DynamicCache
 
 import hybrid_cache.code_attention as code_attention
+from hybrid_cache.compat import cache_kwargs
 from hybrid_cache import CODE_ATTENTION, CodeAttentionError, HybridRingCache, use_code_attention
 from hybrid_cache.code_attention import CompressedKV, code_domain_attention, reference_attention
 from hybrid_cache.quantized import DequantWorkspace, QuantizedFullLayer
@@ -260,7 +261,7 @@ def run_generate(model, inputs, cache, new_tokens=20, **kwargs):
     torch.manual_seed(7)
     out = model.generate(
         **inputs,
-        cache=cache,
+        **cache_kwargs(cache),
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         pad_token_id=0,

@@ -20,6 +20,7 @@ import torch
 from conftest import MODEL_BUILDERS, VOCAB
 from transformers import DynamicCache
 
+from hybrid_cache.compat import cache_kwargs
 from hybrid_cache import ConversationMismatchError, HybridRingCache
 
 GENERATE = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -52,12 +53,12 @@ def test_generate_with_a_much_shorter_prompt_is_refused(model_name, one_thread):
         cache = HybridRingCache(model.config)
         first = prompt(rng.randint(2 * window, 4 * window), case)
         with torch.no_grad():
-            model.generate(input_ids=first, cache=cache, **GENERATE)
+            model.generate(input_ids=first, **cache_kwargs(cache), **GENERATE)
             held = cache.get_seq_length()
             before = snapshot(cache)
             unrelated = prompt(rng.randint(1, held // 2), case + 100)
             with pytest.raises(ConversationMismatchError, match="one conversation"):
-                model.generate(input_ids=unrelated, cache=cache, **GENERATE)
+                model.generate(input_ids=unrelated, **cache_kwargs(cache), **GENERATE)
         assert_unchanged(before, cache)
 
 
@@ -67,17 +68,17 @@ def test_a_mask_shorter_than_the_cache_is_refused(model_name, one_thread):
     model = MODEL_BUILDERS[model_name](window=4)
     cache = HybridRingCache(model.config)
     with torch.no_grad():
-        model.generate(input_ids=prompt(9, 0, rows=2), cache=cache, **GENERATE)
+        model.generate(input_ids=prompt(9, 0, rows=2), **cache_kwargs(cache), **GENERATE)
         before = snapshot(cache)
         padded = prompt(8, 1, rows=2)
         mask = torch.ones_like(padded)
         padded[1, :3], mask[1, :3] = 0, 0
         with pytest.raises(ConversationMismatchError, match="one conversation"):
-            model.generate(input_ids=padded, attention_mask=mask, cache=cache, **GENERATE)
+            model.generate(input_ids=padded, attention_mask=mask, **cache_kwargs(cache), **GENERATE)
         assert_unchanged(before, cache)
         new = prompt(5, 2, rows=2)
         with pytest.raises(ConversationMismatchError, match="attention mask has 5 columns"):
-            model(input_ids=new, attention_mask=torch.ones_like(new), cache=cache)
+            model(input_ids=new, attention_mask=torch.ones_like(new), **cache_kwargs(cache))
         assert_unchanged(before, cache)
 
 
@@ -93,14 +94,14 @@ def test_continuations_still_work(model_name, one_thread):
     results = {}
     with torch.no_grad():
         for name, cache in (("ring", HybridRingCache(model.config)), ("dynamic", DynamicCache(config=model.config))):
-            turn = model.generate(input_ids=first, attention_mask=mask, cache=cache, **GENERATE)
+            turn = model.generate(input_ids=first, attention_mask=mask, **cache_kwargs(cache), **GENERATE)
             if name == "ring":
                 with pytest.raises(ConversationMismatchError):
-                    model(input_ids=follow, attention_mask=torch.ones_like(follow), cache=cache)
+                    model(input_ids=follow, attention_mask=torch.ones_like(follow), **cache_kwargs(cache))
             ids = torch.cat([turn, follow], 1)
             full_mask = torch.cat([mask, torch.ones(2, ids.shape[1] - 9, dtype=torch.long)], 1)
-            second = model.generate(input_ids=ids, attention_mask=full_mask, cache=cache, **GENERATE)
+            second = model.generate(input_ids=ids, attention_mask=full_mask, **cache_kwargs(cache), **GENERATE)
             cache.reset()
-            fresh = model.generate(input_ids=follow, cache=cache, **GENERATE)
+            fresh = model.generate(input_ids=follow, **cache_kwargs(cache), **GENERATE)
             results[name] = (second, fresh)
     assert all(torch.equal(a, b) for a, b in zip(results["ring"], results["dynamic"]))

@@ -14,6 +14,7 @@ from transformers import DynamicCache, Gemma4TextConfig
 from transformers.models.gemma4_assistant import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
 from hybrid_cache import HybridRingCache
+from hybrid_cache.compat import cache_kwargs
 
 
 
@@ -49,7 +50,7 @@ def drafted_logits(target, drafter, cache, prompt: torch.Tensor, new_tokens: int
     try:
         with torch.no_grad():
             tokens = target.generate(
-                input_ids=prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, cache=cache,
+                input_ids=prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, **cache_kwargs(cache),
                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
             )
     finally:

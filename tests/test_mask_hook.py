@@ -17,6 +17,7 @@ from transformers.masking_utils import (
 
 import hybrid_cache.mask_hook as mask_hook
 from hybrid_cache import HybridRingCache, RingLayout, UnsupportedAttentionError, install_mask_hook
+from hybrid_cache.compat import cache_kwargs
 from hybrid_cache.mask_hook import DenseMaskRequest, HeldFromOffset, WindowMismatchError
 
 
@@ -112,8 +113,8 @@ def test_ring_mask_equals_time_ordered_mask_with_overlays(attn, q_length):
     embeds = torch.zeros(2, q_length, config.hidden_size)
     full_embeds = torch.zeros(2, length + q_length, config.hidden_size)
     for overlays in ({}, {"or_mask_function": or_overlay}, {"and_mask_function": and_overlay}):
-        ring_mask = create_sliding_window_causal_mask(config, embeds, attention_mask, cache, **overlays)
-        oracle = create_sliding_window_causal_mask(config, full_embeds, attention_mask, None, **overlays)
+        ring_mask = create_sliding_window_causal_mask(config, embeds, attention_mask, **cache_kwargs(cache), **overlays)
+        oracle = create_sliding_window_causal_mask(config, full_embeds, attention_mask, **cache_kwargs(None), **overlays)
         if attn == "eager":
             ring_mask, oracle = ring_mask == 0, oracle == 0
         if oracle is None:
@@ -136,7 +137,7 @@ def test_mask_beyond_the_ring_raises():
 
     embeds = torch.zeros(1, 1, model.config.hidden_size)
     with pytest.raises(WindowMismatchError, match="position 10"):
-        create_sliding_window_causal_mask(model.config, embeds, attention_mask, cache, or_mask_function=or_overlay)
+        create_sliding_window_causal_mask(model.config, embeds, attention_mask, **cache_kwargs(cache), or_mask_function=or_overlay)
 
 
 def test_full_layer_mask_unchanged():
@@ -149,7 +150,7 @@ def test_full_layer_mask_unchanged():
     kv_length, kv_offset = cache.get_mask_sizes(1, full_idx)
     assert (kv_length, kv_offset) == (15, 0)
     embeds = torch.zeros(1, 1, model.config.hidden_size)
-    assert create_causal_mask(model.config, embeds, attention_mask, cache) is None  # sdpa may skip it, as before
+    assert create_causal_mask(model.config, embeds, attention_mask, **cache_kwargs(cache)) is None  # sdpa may skip it, as before
 
 
 def test_dense_decode_mask_on_cpu_gqa():
@@ -162,7 +163,7 @@ def test_dense_decode_mask_on_cpu_gqa():
     kv_length, kv_offset = cache.get_mask_sizes(1, full_idx)
     assert kv_length == 15 and isinstance(kv_offset, DenseMaskRequest) and kv_offset.offset == 0
     embeds = torch.zeros(1, 1, model.config.hidden_size)
-    mask = create_causal_mask(model.config, embeds, attention_mask, cache)
+    mask = create_causal_mask(model.config, embeds, attention_mask, **cache_kwargs(cache))
     assert mask is not None and mask.shape == (1, 1, 1, 15) and bool(mask.all())
     # Multi-token steps keep transformers' own decision.
     assert cache.get_mask_sizes(3, full_idx) == (17, 0)
@@ -214,7 +215,7 @@ def test_prepared_4d_mask_after_wrap_raises():
     chunked_logits(model, cache, input_ids[:, :6], [6])
     mask_4d = torch.ones(1, 1, 1, 7, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="4D attention mask"):
-        model(input_ids=input_ids[:, 6:7], attention_mask=mask_4d, cache=cache)
+        model(input_ids=input_ids[:, 6:7], attention_mask=mask_4d, **cache_kwargs(cache))
 
 
 def test_mask_interface_default_instance_sees_hook():

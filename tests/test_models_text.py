@@ -19,6 +19,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from hybrid_cache import models
 from hybrid_cache.compare import EXACT_CACHE_NAMES
+from hybrid_cache.compat import cache_kwargs
 from hybrid_cache.perplexity import (
     evaluate_perplexity,
     full_cache_bytes_per_token,
@@ -318,7 +319,7 @@ def test_kv_bytes_counts_dynamic_cache():
     model = tiny_model(window=6, layers=6)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.arange(4, 24)[None], cache=cache, use_cache=True)
+        model(input_ids=torch.arange(4, 24)[None], **cache_kwargs(cache), use_cache=True)
     # 5 sliding layers keep <= 20 tokens (transformers keeps window-1 = 5 after a prefill), 1 full layer keeps 20
     per_token_layer = 2 * 2 * 8 * 4  # K+V, 2 KV heads, head_dim 8, fp32
     assert per_token_layer * 20 <= kv_bytes(cache) <= per_token_layer * 20 * 6

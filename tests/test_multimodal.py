@@ -29,6 +29,7 @@ from conftest import (
 from transformers import DynamicCache
 
 from hybrid_cache import HybridRingCache, WindowMismatchError
+from hybrid_cache.compat import cache_kwargs
 
 TOLERANCE = 1e-4
 BUILDERS = {"gemma3": tiny_gemma3_multimodal, "gemma4": tiny_gemma4_multimodal}
@@ -107,7 +108,7 @@ class Scene:
             end = position + size
             outputs.append(
                 self.model(
-                    input_ids=self.ids[:, position:end], attention_mask=self.mask[:, :end], cache=cache,
+                    input_ids=self.ids[:, position:end], attention_mask=self.mask[:, :end], **cache_kwargs(cache),
                     **{self.type_key: self.types[:, :end]}, **self.encoder_outputs(position, end),
                 ).logits
             )
@@ -163,11 +164,11 @@ def test_text_only_with_token_types(family, attn):
 
     def two_turns(make_cache, **extra):
         cache = make_cache()
-        first = model.generate(input_ids=scene.ids, attention_mask=scene.mask, cache=cache,
+        first = model.generate(input_ids=scene.ids, attention_mask=scene.mask, **cache_kwargs(cache),
                                **{key: torch.zeros_like(scene.ids)}, **kwargs, **extra)
         follow = torch.tensor([sequence([5], 4, seed=9)])
         ids = torch.cat([first, follow], 1)
-        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
                               **{key: torch.zeros_like(ids)}, **kwargs, **extra)
 
     with torch.no_grad():
@@ -179,9 +180,9 @@ def test_text_only_with_token_types(family, attn):
     cache = HybridRingCache(model.config)
     ids = scene.ids
     with torch.no_grad():
-        logits = [model(input_ids=ids[:, :6], cache=cache, **{key: torch.zeros(1, 6, dtype=torch.long)}).logits]
+        logits = [model(input_ids=ids[:, :6], **cache_kwargs(cache), **{key: torch.zeros(1, 6, dtype=torch.long)}).logits]
         for position in range(6, ids.shape[1]):
-            logits.append(model(input_ids=ids[:, position : position + 1], cache=cache,
+            logits.append(model(input_ids=ids[:, position : position + 1], **cache_kwargs(cache),
                                 **{key: torch.zeros(1, 1, dtype=torch.long)}).logits)
     scene.assert_close(torch.cat(logits, 1), scene.no_cache_logits(), "manual loop")
 
@@ -227,7 +228,7 @@ def test_smaller_cache_window_is_refused_with_images(family, attn, schedule):
         for size in schedule:
             end = position + size
             step = dict(
-                input_ids=scene.ids[:, position:end], attention_mask=scene.mask[:, :end], cache=cache,
+                input_ids=scene.ids[:, position:end], attention_mask=scene.mask[:, :end], **cache_kwargs(cache),
                 **{scene.type_key: scene.types[:, :end]}, **scene.encoder_outputs(position, end),
             )
             try:
@@ -274,13 +275,13 @@ def test_generate_with_images_multi_turn(family, attn):
     def chat(cache, chunked: bool):
         outputs = []
         extra = dict(prefill_chunk_size=5, **encoded_first) if chunked else first_image
-        out = model.generate(input_ids=turn1, attention_mask=torch.ones_like(turn1), cache=cache,
+        out = model.generate(input_ids=turn1, attention_mask=torch.ones_like(turn1), **cache_kwargs(cache),
                              **{key: (turn1 == IMAGE_ID).long()}, **extra, **kwargs)
         outputs.append(out)
         ids = torch.cat([out.sequences, turn2_extra], 1)
         # With a cache, turn 2 processes only its new tokens: the new image's pixels; without, all of them.
         pixels = second_image if cache is not None else images
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
                              use_cache=cache is not None, **{key: (ids == IMAGE_ID).long()}, **pixels, **kwargs)
         outputs.append(out)
         return outputs

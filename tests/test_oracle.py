@@ -16,6 +16,7 @@ import torch
 from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits, tiny_gemma3_multimodal
 
 from hybrid_cache import HybridRingCache
+from hybrid_cache.compat import cache_kwargs
 
 TOLERANCE = 1e-4
 # Random cases per (model, attention); CI runs 25. `HYBRID_CACHE_ORACLE_SEEDS=500 pytest tests/test_oracle.py` to soak.
@@ -77,18 +78,18 @@ def test_decode_many_wraps_then_continue(model_name, attn):
     cache = HybridRingCache(model.config)
 
     with torch.no_grad():
-        logits = [model(input_ids=input_ids, attention_mask=attention_mask, cache=cache).logits]
+        logits = [model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache)).logits]
         for turn in range(2):
             for _ in range(5 * window):
                 next_token = logits[-1][:, -1:].argmax(-1)
                 input_ids = torch.cat([input_ids, next_token], 1)
                 attention_mask = torch.cat([attention_mask, torch.ones_like(next_token)], 1)
-                logits.append(model(input_ids=next_token, attention_mask=attention_mask, cache=cache).logits)
+                logits.append(model(input_ids=next_token, attention_mask=attention_mask, **cache_kwargs(cache)).logits)
             if turn == 0:  # the user's next turn, longer than the window
                 user = torch.randint(3, VOCAB, (2, window + 3), generator=torch.Generator().manual_seed(1))
                 input_ids = torch.cat([input_ids, user], 1)
                 attention_mask = torch.cat([attention_mask, torch.ones_like(user)], 1)
-                logits.append(model(input_ids=user, attention_mask=attention_mask, cache=cache).logits)
+                logits.append(model(input_ids=user, attention_mask=attention_mask, **cache_kwargs(cache)).logits)
     got = torch.cat(logits, 1)
     assert cache.get_seq_length() == input_ids.shape[1]
     assert_matches_oracle(got, no_cache_logits(model, input_ids, attention_mask), attention_mask, "many wraps")
@@ -123,9 +124,9 @@ def test_rollback_after_wrap_matches_oracle(model_name):
     tokens = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(5))
     cache = HybridRingCache(model.config, rollback_margin=3)
     with torch.no_grad():
-        model(input_ids=tokens[:, :20], cache=cache)
+        model(input_ids=tokens[:, :20], **cache_kwargs(cache))
         wrong = torch.randint(3, VOCAB, (1, 3), generator=torch.Generator().manual_seed(6))
-        model(input_ids=torch.cat([tokens[:, 20:21], wrong], 1), cache=cache)
+        model(input_ids=torch.cat([tokens[:, 20:21], wrong], 1), **cache_kwargs(cache))
         cache.crop(-3)
         assert cache.get_seq_length() == 21
         got = chunked_logits(model, cache, tokens[:, 21:], [1, 2, 1, 4, 1])
@@ -165,5 +166,5 @@ def test_composite_multimodal_config_text_only():
     assert_matches_oracle(got, no_cache_logits(model, input_ids, attention_mask), attention_mask, "composite")
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False)
     with torch.no_grad():
-        ring = model.generate(**kwargs, cache=HybridRingCache(model.config))
+        ring = model.generate(**kwargs, **cache_kwargs(HybridRingCache(model.config)))
         assert torch.equal(ring, model.generate(**kwargs, use_cache=False))

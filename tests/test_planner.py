@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, Stat
 
 from hybrid_cache import GrowableFullLayer, HybridRingCache, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
 from hybrid_cache.compare import kv_bytes_held, layer_kv_geometry
+from hybrid_cache.compat import cache_kwargs
 from hybrid_cache.planner import PRESETS, load_config, main, max_context_length, plan_kv_memory
 
 # Random configurations per run; `HYBRID_CACHE_PLANNER_SEEDS=200 pytest tests/test_planner.py` to soak.
@@ -27,9 +28,9 @@ PLANNER_SEEDS = int(os.environ.get("HYBRID_CACHE_PLANNER_SEEDS", "8"))
 @torch.no_grad()
 def _prompt_then_decode(model, cache, batch: int, prompt: int, total: int) -> None:
     """One forward of `prompt` tokens, then one-token forwards up to `total` tokens: the planner's scenario."""
-    model(input_ids=torch.randint(3, VOCAB, (batch, prompt)), cache=cache, use_cache=True)
+    model(input_ids=torch.randint(3, VOCAB, (batch, prompt)), **cache_kwargs(cache), use_cache=True)
     for _ in range(total - prompt):
-        model(input_ids=torch.randint(3, VOCAB, (batch, 1)), cache=cache, use_cache=True)
+        model(input_ids=torch.randint(3, VOCAB, (batch, 1)), **cache_kwargs(cache), use_cache=True)
 
 
 def _random_case(seed: int):
@@ -117,8 +118,8 @@ def test_full_size_presets_equal_memory_report_on_meta(name):
     cache = HybridRingCache(model.config)
     with torch.no_grad():
         ids = torch.zeros((2, 8), dtype=torch.long, device="meta")
-        model(input_ids=ids, cache=cache, use_cache=True)
-        model(input_ids=ids[:, :1], cache=cache, use_cache=True)
+        model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+        model(input_ids=ids[:, :1], **cache_kwargs(cache), use_cache=True)
     plan = plan_kv_memory(config, 9, prompt_length=8, batch_size=2, dtype=torch.float32)
     assert plan.stages[0]["ring"].bytes_by_type == cache.memory_report().bytes_by_type
 

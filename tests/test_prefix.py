@@ -15,6 +15,7 @@ from conftest import MODEL_BUILDERS, VOCAB
 from test_oracle import left_padded_batch
 
 from hybrid_cache import HybridRingCache
+from hybrid_cache.compat import cache_kwargs
 from hybrid_cache.prefix import format_bench, prefill, run_bench, time_to_first_token
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def test_prefill_then_generate_equals_generate_from_scratch(model_name):
     prefill(model, cache, input_ids[:, :11], attention_mask[:, :11], chunk_size=4)
     prefill(model, cache, input_ids[:, 11:19], attention_mask[:, :19])
     kwargs = {"max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False}
-    got = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
+    got = model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), **kwargs)
     expected = model.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     assert torch.equal(got, expected)
 

@@ -30,6 +30,7 @@ from hybrid_cache import (
     StaticQuantizedFullLayer,
 )
 from hybrid_cache.compare import kv_bytes_held
+from hybrid_cache.compat import cache_kwargs
 from hybrid_cache.quantized import DequantWorkspace, _hadamard
 
 MODES = ("int8", "int4", "fp8")
@@ -408,7 +409,7 @@ def run_generate(model, inputs, cache, new_tokens=20, seed=7, **kwargs):
     if kwargs.pop("assistant", False):
         kwargs["assistant_model"] = MODEL_BUILDERS["gemma3"](window=WINDOW, layers=2, seed=7)
     torch.manual_seed(seed)
-    out = model.generate(**inputs, cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+    out = model.generate(**inputs, **cache_kwargs(cache), max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
                          return_dict_in_generate=True, output_logits=True, **kwargs)
     assert out.sequences.shape[-1] == inputs["input_ids"].shape[-1] + new_tokens
     return out.sequences, torch.stack(out.logits, 1)
@@ -540,7 +541,7 @@ def test_inference_mode_prefill_then_no_grad_decode(fixed):
     for switch in (False, True):
         cache = HybridRingCache(model.config, **kwargs)
         with torch.inference_mode():
-            model(input_ids=ids[:, :20], cache=cache, use_cache=True)
+            model(input_ids=ids[:, :20], **cache_kwargs(cache), use_cache=True)
         context = torch.no_grad() if switch else torch.inference_mode()
         with context:
             logits.append(chunked_logits(model, cache, ids, [1] * 10, start=20))
@@ -557,11 +558,11 @@ def test_beam_reorder_right_after_an_inference_mode_prefill(mode):
     cache = HybridRingCache(model.config, full_layer_quantization=mode, max_cache_len=40)
     reference = HybridRingCache(model.config, full_layer_quantization=mode, max_cache_len=40)
     with torch.inference_mode():
-        model(input_ids=ids, cache=cache, use_cache=True)
+        model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
     with torch.no_grad():
-        model(input_ids=ids.flip(0), cache=reference, use_cache=True)
+        model(input_ids=ids.flip(0), **cache_kwargs(reference), use_cache=True)
         cache.reorder_cache(torch.tensor([1, 0]))
         step = torch.randint(3, VOCAB, (2, 1), generator=torch.Generator().manual_seed(6))
-        logits = model(input_ids=step, cache=cache, use_cache=True).logits
-        expected = model(input_ids=step, cache=reference, use_cache=True).logits
+        logits = model(input_ids=step, **cache_kwargs(cache), use_cache=True).logits
+        expected = model(input_ids=step, **cache_kwargs(reference), use_cache=True).logits
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)

@@ -31,6 +31,7 @@ from hybrid_cache import (
     attention_in_time_order,
     install_mask_hook,
 )
+from hybrid_cache.compat import cache_kwargs
 
 TOLERANCE = 1e-4
 TESTS = Path(__file__).parent
@@ -133,11 +134,11 @@ def test_generate_after_inference_mode_prefill(model_name):
     ids = tokens(12)
     cache = HybridRingCache(model.config)
     with torch.inference_mode():
-        model(input_ids=ids[:, :-1], cache=cache)
+        model(input_ids=ids[:, :-1], **cache_kwargs(cache))
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
-    out = model.generate(**kwargs, cache=cache)
+    out = model.generate(**kwargs, **cache_kwargs(cache))
     with torch.no_grad():
-        assert torch.equal(out, model.generate(**kwargs, cache=DynamicCache(config=model.config)))
+        assert torch.equal(out, model.generate(**kwargs, **cache_kwargs(DynamicCache(config=model.config))))
 
 
 # --- pickled / torch.save'd caches in a fresh process ----------------------------------------------------------------
@@ -190,20 +191,20 @@ def test_prompt_lookup_leaves_nothing_behind(model_name):
     cache = HybridRingCache(model.config)
     kwargs = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
     with torch.no_grad():
-        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), cache=cache,
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **cache_kwargs(cache),
                              prompt_lookup_num_tokens=3, **kwargs)
         assert reachable_tensor_bytes(cache) == cache.memory_report().total_bytes
         assert cache.memory_report().extra_bytes == 0, "an undo copy survived generate"
         # A long plain forward right after: whatever it keeps is counted, and released by the next step.
         turn = torch.cat([out, tokens(40, seed=2)], 1)
-        model(input_ids=turn[:, out.shape[1]:], cache=cache)
+        model(input_ids=turn[:, out.shape[1]:], **cache_kwargs(cache))
         assert reachable_tensor_bytes(cache) == cache.memory_report().total_bytes
-        model(input_ids=tokens(1, seed=3), cache=cache)
+        model(input_ids=tokens(1, seed=3), **cache_kwargs(cache))
         report = cache.memory_report()
         assert report.extra_bytes == 0 and reachable_tensor_bytes(cache) == report.total_bytes
         # A new generate call on the same cache starts without recording: its prefill keeps nothing.
         turn = torch.cat([turn, tokens(1, seed=3), tokens(30, seed=4)], 1)
-        model.generate(input_ids=turn, attention_mask=torch.ones_like(turn), cache=cache, **kwargs)
+        model.generate(input_ids=turn, attention_mask=torch.ones_like(turn), **cache_kwargs(cache), **kwargs)
         assert cache.memory_report().extra_bytes == 0
         assert reachable_tensor_bytes(cache) == cache.memory_report().total_bytes
 
@@ -216,8 +217,8 @@ def test_speculation_still_exact_after_recording_rules(model_name):
     kwargs = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=20,
                   min_new_tokens=20, pad_token_id=0, prompt_lookup_num_tokens=5)
     with torch.no_grad():
-        ring = model.generate(**kwargs, cache=HybridRingCache(model.config))
-        assert torch.equal(ring, model.generate(**kwargs, cache=DynamicCache(config=model.config)))
+        ring = model.generate(**kwargs, **cache_kwargs(HybridRingCache(model.config)))
+        assert torch.equal(ring, model.generate(**kwargs, **cache_kwargs(DynamicCache(config=model.config))))
 
 
 # --- a config whose window disagrees with the model's ------------------------------------------------------------------
@@ -270,7 +271,7 @@ def test_prepared_4d_mask_refused_after_crop():
     before = snapshot(cache)
     mask_4d = torch.ones(1, 1, 1, 7, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="4D attention mask"), torch.no_grad():
-        model(input_ids=ids[:, 6:7], attention_mask=mask_4d, cache=cache)
+        model(input_ids=ids[:, 6:7], attention_mask=mask_4d, **cache_kwargs(cache))
     assert_unchanged(before, cache)
     assert_close(chunked_logits(model, cache, ids[:, 6:], [1, 1, 1]), no_cache_logits(model, ids)[:, 6:], "resume")
 
@@ -333,7 +334,7 @@ def test_attention_maps_in_time_order(model_name):
     cache = HybridRingCache(model.config)
     chunked_logits(model, cache, ids[:, :14], [9] + [1] * 5)
     with torch.no_grad():
-        step = model(input_ids=ids[:, 14:], cache=cache, output_attentions=True)
+        step = model(input_ids=ids[:, 14:], **cache_kwargs(cache), output_attentions=True)
         full = model(input_ids=ids, use_cache=False, output_attentions=True)
     checked = 0
     for layer_idx, weights in enumerate(step.attentions):
@@ -374,7 +375,7 @@ def test_gradients_through_the_cache(model_name, attn):
         else:
             logits, position = [], 0
             for size in schedule:
-                logits.append(model(input_ids=ids[:, position : position + size], cache=cache).logits)
+                logits.append(model(input_ids=ids[:, position : position + size], **cache_kwargs(cache)).logits)
                 position += size
             logits = torch.cat(logits, 1)
         (logits.square().mean()).backward()
@@ -392,4 +393,4 @@ def test_fixed_capacity_refuses_gradients_clearly():
     model = tiny_gemma3(window=4)
     cache = HybridRingCache(model.config, max_cache_len=16)
     with pytest.raises(RuntimeError, match="cannot record gradients"):
-        model(input_ids=tokens(5), cache=cache)
+        model(input_ids=tokens(5), **cache_kwargs(cache))

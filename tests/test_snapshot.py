@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from test_oracle import assert_matches_oracle, left_padded_batch, random_schedule
 
 from hybrid_cache import CacheCheckpoint, HybridRingCache, RollbackError, read_metadata
+from hybrid_cache.compat import cache_kwargs
 from hybrid_cache.snapshot import RESERVED_PREFIX
 
 SEEDS = int(os.environ.get("HYBRID_CACHE_SNAPSHOT_SEEDS", "12"))
@@ -77,7 +78,7 @@ def continue_logits(model, cache, input_ids, attention_mask, start, schedule):
         for size in schedule:
             chunk = input_ids[:, position : position + size]
             mask = attention_mask[:, : position + size]
-            outputs.append(model(input_ids=chunk, attention_mask=mask, cache=cache, use_cache=True).logits)
+            outputs.append(model(input_ids=chunk, attention_mask=mask, **cache_kwargs(cache), use_cache=True).logits)
             position += size
     assert position == input_ids.shape[1]
     return torch.cat(outputs, dim=1)
@@ -145,7 +146,7 @@ WINDOW = 6
 
 def generate(model, input_ids, attention_mask, cache, new_tokens=12):
     out = model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, cache=cache, max_new_tokens=new_tokens,
+        input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), max_new_tokens=new_tokens,
         min_new_tokens=new_tokens, do_sample=False,
     )
     assert out.shape[1] == input_ids.shape[1] + new_tokens
@@ -164,7 +165,7 @@ def test_generate_from_loaded_and_restored_cache(model_name, prefix, tmp_path):
     # The position ids `generate` gives a left-padded batch (it continues from them).
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     with torch.no_grad():
-        model(input_ids=input_ids[:, :prefix], attention_mask=mask, position_ids=positions, cache=cache)
+        model(input_ids=input_ids[:, :prefix], attention_mask=mask, position_ids=positions, **cache_kwargs(cache))
     cache.save(tmp_path / "p.safetensors")
     checkpoint = cache.checkpoint()
 
@@ -187,7 +188,7 @@ def test_generate_many_continuations_from_one_checkpoint(model_name):
     prefix = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
     cache = HybridRingCache(model.config)
     with torch.no_grad():
-        model(input_ids=prefix, cache=cache)
+        model(input_ids=prefix, **cache_kwargs(cache))
     checkpoint = cache.checkpoint()
     for turn in range(4):
         question = torch.randint(3, VOCAB, (1, 3 + turn), generator=torch.Generator().manual_seed(10 + turn))
@@ -196,7 +197,7 @@ def test_generate_many_continuations_from_one_checkpoint(model_name):
         sample = {"do_sample": True, "top_k": 0} if turn % 2 else {"do_sample": False}
         cache.restore(checkpoint)
         torch.manual_seed(turn)
-        got = model.generate(input_ids=input_ids, attention_mask=mask, cache=cache, max_new_tokens=15,
+        got = model.generate(input_ids=input_ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=15,
                              min_new_tokens=15, **sample)
         torch.manual_seed(turn)
         expected = model.generate(input_ids=input_ids, attention_mask=mask, use_cache=False, max_new_tokens=15,
@@ -210,7 +211,7 @@ def test_batch_of_continuations_from_a_batch_one_prefix(model_name, tmp_path):
     prefix = torch.randint(3, VOCAB, (1, 15), generator=torch.Generator().manual_seed(2))
     cache = HybridRingCache(model.config)
     with torch.no_grad():
-        model(input_ids=prefix, cache=cache)
+        model(input_ids=prefix, **cache_kwargs(cache))
     cache.save(tmp_path / "p.safetensors")
     continuations = torch.randint(3, VOCAB, (3, 4), generator=torch.Generator().manual_seed(3))
     input_ids = torch.cat([prefix.expand(3, -1), continuations], dim=1)
@@ -234,7 +235,7 @@ def test_num_return_sequences_from_a_loaded_prefix(tmp_path):
     loaded = HybridRingCache.load(tmp_path / "p.safetensors", model.config)
     loaded.batch_repeat_interleave(3)
     torch.manual_seed(0)
-    got = model.generate(input_ids=input_ids, cache=loaded, **kwargs)
+    got = model.generate(input_ids=input_ids, **cache_kwargs(loaded), **kwargs)
     torch.manual_seed(0)
     expected = model.generate(input_ids=input_ids, use_cache=False, **kwargs)
     assert torch.equal(got, expected)
@@ -246,7 +247,7 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from conftest import MODEL_BUILDERS
 from safetensors.torch import save_file
-from hybrid_cache import HybridRingCache
+from hybrid_cache import HybridRingCache, cache_kwargs
 torch.set_num_threads(1)  # as in this module: same kernels, same summation order, bit-identical logits
 for name in ("gemma3", "gemma4"):
     for dtype in (torch.float32, torch.bfloat16):
@@ -254,12 +255,12 @@ for name in ("gemma3", "gemma4"):
         ids = torch.randint(3, 101, (2, 30), generator=torch.Generator().manual_seed(0))
         cache = HybridRingCache(model.config, rollback_margin=1)
         with torch.no_grad():
-            model(input_ids=ids[:, :12], cache=cache)
+            model(input_ids=ids[:, :12], **cache_kwargs(cache))
             for t in range(12, 19):
-                model(input_ids=ids[:, t : t + 1], cache=cache)
+                model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache))
             cache.save(f"{directory}/{{name}}-{{dtype}}.safetensors", metadata={{"written by": "child"}})
-            logits = [model(input_ids=ids[:, 19:22], cache=cache).logits]
-            logits += [model(input_ids=ids[:, t : t + 1], cache=cache).logits for t in range(22, 30)]
+            logits = [model(input_ids=ids[:, 19:22], **cache_kwargs(cache)).logits]
+            logits += [model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache)).logits for t in range(22, 30)]
         save_file({{"logits": torch.cat(logits, 1).contiguous()}}, f"{directory}/{{name}}-{{dtype}}.expected")
 """
 
@@ -292,7 +293,7 @@ def test_fresh_process_round_trip(model_name, dtype, saved_by_another_process):
 # --- checkpoint semantics -------------------------------------------------------------------------------------------
 def feed(model, cache, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=tokens, cache=cache).logits
+        return model(input_ids=tokens, **cache_kwargs(cache)).logits
 
 
 def tokens(length: int, seed: int, batch: int = 1) -> torch.Tensor:
@@ -452,14 +453,14 @@ def test_under_inference_mode(model_name, tmp_path):
     model = get_model(model_name, WINDOW)
     with torch.inference_mode():
         cache = HybridRingCache(model.config)
-        model(input_ids=tokens(15, 0), cache=cache)
+        model(input_ids=tokens(15, 0), **cache_kwargs(cache))
         checkpoint = cache.checkpoint()
         cache.save(tmp_path / "c.safetensors")
-        expected = model(input_ids=tokens(3, 1), cache=cache).logits
+        expected = model(input_ids=tokens(3, 1), **cache_kwargs(cache)).logits
         cache.restore(checkpoint)
-        assert torch.equal(model(input_ids=tokens(3, 1), cache=cache).logits, expected)
+        assert torch.equal(model(input_ids=tokens(3, 1), **cache_kwargs(cache)).logits, expected)
         loaded = HybridRingCache.load(tmp_path / "c.safetensors", model.config)
-        assert torch.equal(model(input_ids=tokens(3, 1), cache=loaded).logits, expected)
+        assert torch.equal(model(input_ids=tokens(3, 1), **cache_kwargs(loaded)).logits, expected)
     cache.restore(checkpoint)  # outside inference mode, into a cache made inside it
     assert cache.get_seq_length() == 15
 
@@ -679,7 +680,7 @@ def test_compiled_decode_checkpoint_restore():
             for step in range(steps):
                 position = cache.get_seq_length()
                 token = torch.full((2, 1), 3 + (first + step) % 90)
-                logits = forward(input_ids=token, cache=cache, position_ids=torch.full((2, 1), position),
+                logits = forward(input_ids=token, **cache_kwargs(cache), position_ids=torch.full((2, 1), position),
                                  use_cache=True).logits
                 out.append(logits)
         return torch.cat(out, 1)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import VOCAB, tiny_gemma3, tiny_gemma4
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer
 from transformers.distributed import DistributedConfig
 
 from hybrid_cache import HybridRingCache, restrict_to_stage, stage_layers
+from hybrid_cache.compat import DummyLayer, cache_kwargs
 from hybrid_cache.distributed import check_stage_layers, parallel_sizes, pipeline_layer_range
 
 
@@ -127,6 +127,6 @@ def test_early_initialization_in_one_process_is_unchanged():
     assert shapes == [(2, 8), (2, 8), (1, 16), (2, 8), (2, 8)]
     input_ids = torch.randint(3, VOCAB, (1, 9))
     with torch.no_grad():
-        got = model(input_ids=input_ids, cache=cache, use_cache=True).logits
+        got = model(input_ids=input_ids, **cache_kwargs(cache), use_cache=True).logits
         expected = model(input_ids=input_ids, use_cache=False).logits
     assert (got - expected).abs().max() < 1e-4

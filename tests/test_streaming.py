@@ -15,6 +15,7 @@ import torch
 from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits
 
 from hybrid_cache import HybridRingCache, RollbackError, SinkWindowFullLayer
+from hybrid_cache.compat import cache_kwargs
 
 WINDOW = 6  # sliding window of the tiny models
 
@@ -158,7 +159,7 @@ def test_generate_modes_run_and_stay_bounded(case):
     cache = HybridRingCache(model.config, full_layer_sink_tokens=2, full_layer_window=8)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=25,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), max_new_tokens=25,
                              min_new_tokens=25, pad_token_id=0, **kwargs)
     assert out.shape[-1] == ids.shape[1] + 25
     assert all(layer.capacity == 10 for layer in cache.layers if isinstance(layer, SinkWindowFullLayer))
@@ -170,7 +171,7 @@ def test_greedy_generate_equals_the_masked_oracle():
     ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
     cache = HybridRingCache(model.config, full_layer_sink_tokens=2, full_layer_window=5)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=20,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), max_new_tokens=20,
                              min_new_tokens=20, do_sample=False, pad_token_id=0)
     schedule = [ids.shape[1]] + [1] * 19
     oracle = bounded_oracle_logits(model, out[:, :-1], schedule, 2, 5)

@@ -23,6 +23,7 @@ import torch
 from conftest import MODEL_BUILDERS, VOCAB, no_cache_logits
 from transformers import DynamicCache
 
+from hybrid_cache.compat import cache_kwargs
 from hybrid_cache import HybridRingCache, WindowMismatchError
 
 TOLERANCE = 1e-4
@@ -95,11 +96,11 @@ def test_chunk_schedules_are_exact_or_refused(family, attn, one_thread):
                 chunk = ids[:, position : position + size]
                 if index == blind:
                     with pytest.raises(WindowMismatchError, match=f"sliding_window={model_window}"):
-                        model(input_ids=chunk, cache=cache)
+                        model(input_ids=chunk, **cache_kwargs(cache))
                     assert cache.get_seq_length() == position, f"{label}: a refused step wrote into the cache"
                     refused["chunk" if size > 1 else "one-token step"] += 1
                     break
-                logits = model(input_ids=chunk, cache=cache).logits
+                logits = model(input_ids=chunk, **cache_kwargs(cache)).logits
                 difference = (logits - expected[:, position : position + size]).abs().max().item()
                 assert difference <= TOLERANCE, f"{label}, step {index}: |logit difference| {difference:.3g}"
                 position += size
@@ -126,7 +127,7 @@ def test_left_padded_batches_are_exact_or_refused(family, one_thread):
             for size in schedule:
                 end = position + size
                 try:
-                    logits = model(input_ids=ids[:, position:end], attention_mask=mask[:, :end], cache=cache).logits
+                    logits = model(input_ids=ids[:, position:end], attention_mask=mask[:, :end], **cache_kwargs(cache)).logits
                 except WindowMismatchError:
                     assert cache_window < model_window, f"case {case}: refused with a large enough cache window"
                     assert cache.get_seq_length() == position
@@ -151,10 +152,10 @@ def test_generate_is_exact_or_refused(family, one_thread):
         kwargs = dict(input_ids=prompt, max_new_tokens=model_window + 2, do_sample=False, pad_token_id=0)
         chunking = rng.choice([{}, {"prefill_chunk_size": rng.randint(2, model_window + 2)}])
         with torch.no_grad():
-            expected = model.generate(**kwargs, **chunking, cache=DynamicCache(config=model.config))
+            expected = model.generate(**kwargs, **chunking, **cache_kwargs(DynamicCache(config=model.config)))
             cache = HybridRingCache(config_with_window(model.config, cache_window))
             if cache_window < model_window:
                 with pytest.raises(WindowMismatchError):
-                    model.generate(**kwargs, **chunking, cache=cache)
+                    model.generate(**kwargs, **chunking, **cache_kwargs(cache))
             else:
-                assert torch.equal(model.generate(**kwargs, **chunking, cache=cache), expected), (case, chunking)
+                assert torch.equal(model.generate(**kwargs, **chunking, **cache_kwargs(cache)), expected), (case, chunking)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..compare import kv_bytes_held, make_cache
+from ..compat import cache_kwargs
 from .instrument import count_update_copy_bytes
 from .machine import sync
 from .workload import PrefillSource, step_inputs, synthesize_prefill
@@ -122,7 +123,7 @@ def _outside_masks(model: Any, cache: Any, inputs: dict[str, torch.Tensor]) -> A
     build = getattr(model, "create_masks_for_generate", create_masks_for_generate)
     ids = inputs["input_ids"]
     masks = build(config=model.config, inputs_embeds=torch.empty((*ids.shape[:2], 0), dtype=model.dtype, device=ids.device),
-                  attention_mask=None, cache=cache, position_ids=inputs["position_ids"])
+                  attention_mask=None, **cache_kwargs(cache), position_ids=inputs["position_ids"])
     if isinstance(masks, dict):
         return {k: v.contiguous() if v is not None else None for k, v in masks.items()}
     return masks.contiguous() if masks is not None else None
@@ -165,9 +166,9 @@ def compiled_decode_once(model: Any, compiled: _Compiled, batch: int, context: i
 
     def call(forward, cache, inputs):
         if outside:
-            return forward(**inputs, attention_mask=_outside_masks(model, cache, inputs), cache=cache,
+            return forward(**inputs, attention_mask=_outside_masks(model, cache, inputs), **cache_kwargs(cache),
                            use_cache=True)
-        return forward(**inputs, cache=cache, use_cache=True)
+        return forward(**inputs, **cache_kwargs(cache), use_cache=True)
 
     check_steps = min(warmup, compiled.check_steps) if first_rep else 0
     eager_logits: list[torch.Tensor] = []
@@ -228,9 +229,9 @@ def compiled_decode_once(model: Any, compiled: _Compiled, batch: int, context: i
             if outside:
                 masks = _outside_masks(model, cache, inputs)
                 mask_done = time.perf_counter()
-                compiled.forward(**inputs, attention_mask=masks, cache=cache, use_cache=True)
+                compiled.forward(**inputs, attention_mask=masks, **cache_kwargs(cache), use_cache=True)
             else:
-                compiled.forward(**inputs, cache=cache, use_cache=True)
+                compiled.forward(**inputs, **cache_kwargs(cache), use_cache=True)
             sync(device)
             end = time.perf_counter()
             step_ms.append((end - start) * 1e3)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..compare import QUANTIZED_CACHES, kv_bytes_held, make_cache, text_config
+from ..compat import cache_kwargs
 from .compiled import COMPILEABLE_CACHES, CompileOptions, compiled_decode_once, new_compiled
 from .instrument import CacheOpTimer, count_update_copy_bytes
 from .machine import Contention, ContentionMeter, sync
@@ -116,7 +117,7 @@ def _decode_once(model: Any, cache_name: str, batch: int, context: int, steps: i
     position = context
     with torch.inference_mode():
         for _ in range(warmup):
-            model(**step_inputs(batch, position, vocab, generator, device), cache=cache, use_cache=True)
+            model(**step_inputs(batch, position, vocab, generator, device), **cache_kwargs(cache), use_cache=True)
             trace.append(_held(cache))
             position += 1
     copy_bytes, by_op = 0, {}
@@ -132,7 +133,7 @@ def _decode_once(model: Any, cache_name: str, batch: int, context: int, steps: i
             timer.reset()
             sync(device)
             start = time.perf_counter()
-            model(**inputs, cache=cache, use_cache=True)
+            model(**inputs, **cache_kwargs(cache), use_cache=True)
             sync(device)
             step_ms.append((time.perf_counter() - start) * 1e3)
             update_ms.append(timer.update_s * 1e3)

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compare import text_config
+from ..compat import cache_kwargs
 
 __all__ = ["MASK_FUNCTION_NAMES", "CacheOpTimer", "count_update_copy_bytes"]
 
@@ -131,7 +132,7 @@ def count_update_copy_bytes(model: Any, cache: Any, step_inputs: dict[str, torch
     cache.update = counted_update
     try:
         with torch.inference_mode():
-            model(**step_inputs, cache=cache, use_cache=True)
+            model(**step_inputs, **cache_kwargs(cache), use_cache=True)
     finally:
         del cache.update
     return counter.bytes, counter.by_op

@@ -2,7 +2,7 @@
 the K/V bytes each cache holds on the way, and ``generate(..., prefill_chunk_size=...)``'s bound on what a ring's
 sliding layer returns.
 
-A prefill run feeds `context` random token ids through ``model(input_ids=chunk, cache=cache, use_cache=True,
+A prefill run feeds `context` random token ids through ``model(input_ids=chunk, **cache_kwargs(cache), use_cache=True,
 logits_to_keep=1)`` in chunks of `chunk` tokens, as ``generate``'s chunked prefill does (the model builds every mask
 itself; only the last position's logits are computed). Before the timed runs each cache does one untimed short
 prefill (first-call costs); runs are interleaved across caches (``for rep: for cache``, the order rotated each rep so
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..compare import kv_bytes_held, make_cache, peak_rss_bytes, text_config
+from ..compat import cache_kwargs
 from .instrument import CacheOpTimer
 from .machine import Contention, ContentionMeter, RssSampler, current_rss_bytes, sync
 
@@ -71,7 +72,7 @@ def _prefill_once(model: Any, cache_name: str, ids: torch.Tensor, chunk: int) ->
         for start in range(0, ids.shape[1], chunk):
             sync(device)
             t0 = time.perf_counter()
-            out = model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids[:, start : start + chunk], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
             sync(device)
             seconds += time.perf_counter() - t0
             peak = max(peak, kv_bytes_held(cache))  # outside the timed region
@@ -161,7 +162,7 @@ def prefill_chunk_check(model: Any, *, prompt_length: int = 32768, chunk_size: i
     rss_before = current_rss_bytes()
     start = time.perf_counter()
     with timer.instrument(model, cache), RssSampler() as sampler, torch.inference_mode():
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **cache_kwargs(cache),
                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                                 prefill_chunk_size=chunk_size)
     elapsed = time.perf_counter() - start

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..compare import make_cache, text_config
+from ..compat import cache_kwargs
 from .workload import random_prefill, step_inputs, synthesize_prefill
 
 __all__ = ["profile_decode", "profile_prefill"]
@@ -51,7 +52,7 @@ def _decode_steps(model: Any, cache: Any, batch: int, position: int, steps: int,
     generator = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
         for i in range(steps):
-            model(**step_inputs(batch, position + i, vocab, generator, device), cache=cache, use_cache=True)
+            model(**step_inputs(batch, position + i, vocab, generator, device), **cache_kwargs(cache), use_cache=True)
 
 
 def profile_prefill(model: Any, caches: Sequence[str], *, context: int, chunk: int, row_limit: int = 15,
@@ -73,4 +74,4 @@ def profile_prefill(model: Any, caches: Sequence[str], *, context: int, chunk: i
 def _prefill(model: Any, cache: Any, ids: torch.Tensor, chunk: int) -> None:
     with torch.inference_mode():
         for start in range(0, ids.shape[1], chunk):
-            model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, start : start + chunk], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)

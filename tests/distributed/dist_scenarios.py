@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from hybrid_cache import HybridRingCache
+from hybrid_cache.compat import cache_kwargs
 from hybrid_cache.distributed import parallel_sizes, pipeline_layer_range, restrict_to_stage, stage_layers
 
 VOCAB = 101
@@ -119,14 +120,14 @@ def run(model: Any, scenario_name: str, cache_name: str) -> dict[str, Any]:
     pointers = storage_pointers(cache)
     options = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, **scenario.options}
     torch.manual_seed(scenario.seed)
-    out = model.generate(**inputs, cache=cache, output_logits=True, return_dict_in_generate=True, **options)
+    out = model.generate(**inputs, **cache_kwargs(cache), output_logits=True, return_dict_in_generate=True, **options)
     sequences, logits = out.sequences, list(out.logits)
     if scenario.second_turn:
         user = _ids(generator, sequences.shape[0], scenario.second_turn)
         input_ids = torch.cat([sequences, user], dim=1)
         mask = torch.cat([inputs["attention_mask"], torch.ones_like(input_ids[:, inputs["input_ids"].shape[1] :])], 1)
         out = model.generate(
-            input_ids=input_ids, attention_mask=mask, cache=cache, output_logits=True, return_dict_in_generate=True,
+            input_ids=input_ids, attention_mask=mask, **cache_kwargs(cache), output_logits=True, return_dict_in_generate=True,
             **options,
         )
         sequences, logits = out.sequences, logits + list(out.logits)

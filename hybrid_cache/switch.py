@@ -1,0 +1,137 @@
+"""`enable(model)` / `disable(model)`: a `HybridRingCache` for every `model.generate()` call that brings no cache.
+
+Most generation is started by code the user does not write: a `pipeline`, an evaluation harness (lm-evaluation-
+harness's `HFLM`), a trainer's sampling loop. They all end in `model.generate(**inputs, **generate_kwargs)`.
+`enable` wraps that one method of that one model instance (an instance attribute shadowing the class method; no class,
+module or global is touched besides the documented mask hook that any `HybridRingCache` installs), so that each call
+
+- that passes a cache of its own (`past_key_values=` or, from transformers 5.24, `cache=`) runs unchanged;
+- that turns the cache off (`use_cache=False`) or asks transformers for a cache kind by name (`cache_implementation=`)
+  runs unchanged;
+- otherwise gets a fresh `HybridRingCache.for_model(model, **cache_options)`, passed under the keyword the installed
+  release reads (`hybrid_cache.compat.CACHE_KEYWORD`).
+
+`disable(model)` removes the wrapper and puts back exactly what was there before (the class method, or an instance
+attribute someone else had set). The wrapper is an object, not a closure, so `copy.deepcopy(model)` gives a copy
+whose `generate` builds caches for the copy, and a pickled model unpickles with the switch still on.
+
+Example:
+
+```python
+>>> import hybrid_cache
+>>> from transformers import pipeline
+>>> hybrid_cache.enable(model)                      # every generate() without a cache now uses the ring
+>>> pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+>>> pipe(long_prompt, max_new_tokens=64)
+>>> hybrid_cache.disable(model)                     # back to transformers' default (DynamicCache)
+```
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from .cache import HybridRingCache
+from .compat import CACHE_KEYWORD, cache_from_kwargs
+
+__all__ = ["RingGenerate", "disable", "enable", "is_enabled"]
+
+_MISSING = object()
+
+
+class RingGenerate:
+    """The `generate` that `enable` puts on a model instance (see the module docstring for the contract).
+
+    Attributes:
+        model: the model whose `generate` this is.
+        cache_options (`dict`): keyword arguments of every `HybridRingCache` built (besides the config).
+        previous: what `model.__dict__["generate"]` held before `enable` (`None`: nothing, the class method served).
+        caches_built (`int`): how many caches this wrapper has built (one per call that brought none).
+    """
+
+    def __init__(self, model: Any, cache_options: dict[str, Any], previous: Any) -> None:
+        self.model = model
+        self.cache_options = dict(cache_options)
+        self.previous = previous
+        self.caches_built = 0
+        functools.update_wrapper(self, type(model).generate)
+
+    def _inner(self) -> Any:
+        if self.previous is not None:
+            return self.previous
+        return type(self.model).generate.__get__(self.model, type(self.model))
+
+    def wants_ring(self, kwargs: dict[str, Any]) -> bool:
+        """Whether a call with `kwargs` gets a fresh ring cache (no cache of its own, cache on, no named kind)."""
+        if cache_from_kwargs(kwargs) is not None:
+            return False
+        if kwargs.get("cache_implementation") is not None:
+            return False
+        generation_config = kwargs.get("generation_config")
+        if generation_config is not None and (
+            generation_config.use_cache is False or getattr(generation_config, "cache_implementation", None)
+        ):
+            return False
+        if kwargs.get("use_cache") is not None:
+            return bool(kwargs["use_cache"])
+        return getattr(self.model.generation_config, "use_cache", True) is not False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.wants_ring(kwargs):
+            for name in ("cache", "past_key_values"):
+                kwargs.pop(name, None)  # explicit None: replaced by the ring
+            kwargs[CACHE_KEYWORD] = HybridRingCache.for_model(self.model, **self.cache_options)
+            self.caches_built += 1
+        return self._inner()(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<hybrid_cache RingGenerate of {type(self.model).__name__}, cache options {self.cache_options}>"
+
+
+def enable(model: Any, **cache_options: Any) -> Any:
+    """Give every later `model.generate()` call that brings no cache of its own a fresh `HybridRingCache`.
+
+    Args:
+        model: a transformers model with `generate` (causal LM or a composite multimodal model such as
+            `Gemma3ForConditionalGeneration`).
+        **cache_options: keyword arguments of `HybridRingCache` (e.g. `rollback_margin`, `max_cache_len`,
+            `full_layer_quantization`), checked now by building one cache.
+
+    Returns:
+        `model` (switched on in place). Calling `enable` again replaces the options.
+
+    Raises:
+        TypeError: `model` has no `generate`, or an option is not a `HybridRingCache` argument.
+        ValueError: the model's config cannot be served by `HybridRingCache` (the message says why), or an option
+            value is refused.
+    """
+    if not callable(getattr(model, "generate", None)) or not hasattr(type(model), "generate"):
+        raise TypeError(
+            f"hybrid_cache.enable expects a transformers model with a `generate` method, got {type(model).__name__}."
+        )
+    HybridRingCache.for_model(model, **cache_options)  # refuse bad options and unsupported configs now
+    current = model.__dict__.get("generate")
+    previous = current.previous if isinstance(current, RingGenerate) else current
+    model.generate = RingGenerate(model, cache_options, previous)
+    return model
+
+
+def disable(model: Any) -> Any:
+    """Undo `enable`: `model.generate` is again exactly what it was before (no-op if the switch is off).
+
+    Returns:
+        `model`.
+    """
+    current = model.__dict__.get("generate", _MISSING)
+    if isinstance(current, RingGenerate):
+        if current.previous is None:
+            del model.generate
+        else:
+            model.generate = current.previous
+    return model
+
+
+def is_enabled(model: Any) -> bool:
+    """Whether `enable(model)` is in effect."""
+    return isinstance(model.__dict__.get("generate"), RingGenerate)
