@@ -26,8 +26,13 @@ LAYERS, HEAD_DIM, HIDDEN = 6, 256, 64
 
 def config_for(window: int) -> Gemma3TextConfig:
     return Gemma3TextConfig(
-        num_hidden_layers=LAYERS, sliding_window=window, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=HEAD_DIM, hidden_size=HIDDEN, attn_implementation="sdpa",
+        num_hidden_layers=LAYERS,
+        sliding_window=window,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=HEAD_DIM,
+        hidden_size=HIDDEN,
+        attn_implementation="sdpa",
     )
 
 
@@ -52,8 +57,9 @@ def time_steps(kind: str, window: int, context: int, batch: int, steps: int) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384], help="tokens before the steps")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes")
     parser.add_argument("--windows", type=int, nargs="+", default=[512, 4096], help="sliding windows")
@@ -72,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
                         key = (kind, context, batch, window)
                         results.setdefault(key, []).append(time_steps(kind, window, context, batch, args.steps))
 
-    header = f"{'cache':<8}{'ctx':>7}{'B':>3}" + "".join(f"{'W=' + str(w) + ' med / mean ms':>24}" for w in args.windows)
+    header = f"{'cache':<8}{'ctx':>7}{'B':>3}" + "".join(
+        f"{'W=' + str(w) + ' med / mean ms':>24}" for w in args.windows
+    )
     print(header + f"{'W ratio (med)':>15}")
     for kind in args.caches:
         for context in args.contexts:

@@ -50,13 +50,16 @@ def main() -> None:
         quantizer = KVQuantizer(mode, 256)
         codes, scales = quantizer.quantize(x)
         scratch = torch.empty_like(codes)  # the int4 unpacking buffer the cache keeps in its workspace
-        run = lambda: quantizer.dequantize_into(codes, scales, out, scratch)  # noqa: E731
+        run = lambda q=quantizer, c=codes, s=scales, buf=scratch: q.dequantize_into(c, s, out, buf)  # noqa: E731
         print(f"{mode:5s} dequantize_into (preallocated): {timed(run)}")
         if mode == "int8":
-            fresh = lambda: quantizer.dequantize_into(codes, scales, torch.empty_like(x))  # noqa: E731
+            fresh = lambda q=quantizer, c=codes, s=scales: q.dequantize_into(c, s, torch.empty_like(x))  # noqa: E731
             print(f"int8  dequantize_into (fresh output):  {timed(fresh)}")
             grouped_scales = scales.unsqueeze(-1)
-            mixed = lambda: torch.mul(codes.unflatten(-1, (4, 64)), grouped_scales, out=out.unflatten(-1, (4, 64)))  # noqa: E731
+
+            def mixed(c=codes, g=grouped_scales):
+                return torch.mul(c.unflatten(-1, (4, 64)), g, out=out.unflatten(-1, (4, 64)))
+
             print(f"int8  mixed-dtype torch.mul:           {timed(mixed)}")
     query = torch.randn(args.batch, 1, 4, 256, dtype=dtype)
     mask = torch.ones(args.batch, 1, 4, args.tokens, dtype=torch.bool)

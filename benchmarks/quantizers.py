@@ -85,12 +85,12 @@ def transformers_quantizers() -> dict[str, object]:
     makers: dict[str, object] = {"transformers Fp8QuantizedLayer (per tensor)": lambda: Fp8QuantizedLayer()}
     if importlib.util.find_spec("hqq") is not None:
         for bits in (8, 4):
-            makers[f"transformers HQQQuantizedLayer int{bits} g64 per token"] = (
-                lambda bits=bits: HQQQuantizedLayer(nbits=bits, axis_key=1, axis_value=1, q_group_size=64)
+            makers[f"transformers HQQQuantizedLayer int{bits} g64 per token"] = lambda bits=bits: HQQQuantizedLayer(
+                nbits=bits, axis_key=1, axis_value=1, q_group_size=64
             )
     if importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None:
-        makers["transformers QuantoQuantizedLayer int4 g64 per channel"] = (
-            lambda: QuantoQuantizedLayer(nbits=4, axis_key=-1, axis_value=-1, q_group_size=64)
+        makers["transformers QuantoQuantizedLayer int4 g64 per channel"] = lambda: QuantoQuantizedLayer(
+            nbits=4, axis_key=-1, axis_value=-1, q_group_size=64
         )
     return makers
 
@@ -98,9 +98,13 @@ def transformers_quantizers() -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--calibration-tokens", type=int, default=512,
-                        help="tokens the key calibration is taken from (the cache: its first update; default 512, "
-                             "the perplexity tool's chunk)")
+    parser.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=512,
+        help="tokens the key calibration is taken from (the cache: its first update; default 512, "
+        "the perplexity tool's chunk)",
+    )
     args = parser.parse_args()
     captured = capture(args.tokens)
     exact = [causal_attention(q, k, v, scaling) for q, k, v, scaling in captured]
@@ -132,34 +136,42 @@ def main() -> None:
         return result, time.perf_counter() - began
 
     for name, make in transformers_quantizers().items():
+
         def restore(tensor, role, make=make):
             layer = make()
             layer.lazy_initialization(tensor[:, :, :1], tensor[:, :, :1])
             if hasattr(layer, "axis_key"):
                 return timed(lambda: layer._dequantize(layer._quantize(tensor.contiguous(), axis=layer.axis_key)))
             return timed(lambda: layer._dequantize(layer._quantize(tensor)))
+
         add_row(name, restore)
     for mode in ("int8", "int4", "fp8"):
         for calibrate in (False, True):
             for rotate in (False, True):
+
                 def restore(tensor, role, mode=mode, calibrate=calibrate, rotate=rotate):
                     quantizer = KVQuantizer(mode, tensor.shape[-1], 64, rotate=rotate)
                     if calibrate and role == "keys":  # as the cache: keys only
                         calibration = KVQuantizer.calibrate(tensor[:, :, : args.calibration_tokens])
                         return timed(lambda: quantizer.roundtrip(tensor, calibration))
                     return timed(lambda: quantizer.roundtrip(tensor))
+
                 label = f"hybrid_cache KVQuantizer {mode} g64" + (" + key calibration" if calibrate else "")
                 add_row(label + (" + rotation" if rotate else ""), restore)
 
     def joined(values, pattern):
         return " / ".join(pattern.format(value) for value in values)
 
-    print("| quantizer | rel. RMS error, keys per full layer | values | attention KL (keys) | attention output "
-          "rel. error | round trip s |")
+    print(
+        "| quantizer | rel. RMS error, keys per full layer | values | attention KL (keys) | attention output "
+        "rel. error | round trip s |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for name, key_errors, value_errors, kls, output_errors, seconds in rows:
-        print(f"| {name} | {joined(key_errors, '{:.4f}')} | {joined(value_errors, '{:.4f}')} | "
-              f"{joined(kls, '{:.1e}')} | {joined(output_errors, '{:.3f}')} | {seconds:.2f} |")
+        print(
+            f"| {name} | {joined(key_errors, '{:.4f}')} | {joined(value_errors, '{:.4f}')} | "
+            f"{joined(kls, '{:.1e}')} | {joined(output_errors, '{:.3f}')} | {seconds:.2f} |"
+        )
 
 
 if __name__ == "__main__":

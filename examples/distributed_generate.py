@@ -29,8 +29,17 @@ def tiny_checkpoint() -> Path:
     if int(os.environ.get("RANK", 0)) == 0 and not (path / "config.json").exists():
         torch.manual_seed(0)
         config = Gemma3TextConfig(
-            vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, sliding_window=4, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+            vocab_size=101,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=4,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=1,
         )
         Gemma3ForCausalLM(config).save_pretrained(path)
     dist.barrier()
@@ -55,15 +64,22 @@ def main() -> None:
 
     torch.manual_seed(0)
     input_ids = torch.randint(3, 100, (2, 12), device=model.device)
-    out = model.generate(input_ids, **cache_kwargs(cache), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+    out = model.generate(
+        input_ids, **cache_kwargs(cache), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens
+    )
 
     rank, report = dist.get_rank(), cache.memory_report()
     plan = plan_kv_memory(
-        model.config, report.tokens, prompt_length=input_ids.shape[1], batch_size=2, dtype=torch.float32,
-        tp_size=args.tp, pp_size=args.pp,
+        model.config,
+        report.tokens,
+        prompt_length=input_ids.shape[1],
+        batch_size=2,
+        dtype=torch.float32,
+        tp_size=args.tp,
+        pp_size=args.pp,
     )
     stage = model._pp_stage.pp_rank if args.pp > 1 else 0
-    print(f"[rank {rank}] tokens {out[0, -args.new_tokens:].tolist()}")
+    print(f"[rank {rank}] tokens {out[0, -args.new_tokens :].tolist()}")
     planned = plan.stages[stage]["ring"].total_bytes
     print(f"[rank {rank}] KV held {report.total_bytes} B, planner {planned} B\n{report}")
     dist.destroy_process_group()

@@ -67,8 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"prefilled {prefix.shape[1]} tokens of {description} in {time.perf_counter() - started:.1f} s")
     path = Path(tempfile.mkdtemp()) / "prefix.safetensors"
     cache.save(path, metadata={"source": description, "tokens": str(prefix.shape[1])})
-    print(f"saved {path}: {path.stat().st_size / 2**20:.1f} MiB (K/V held: "
-          f"{cache.memory_report().total_bytes / 2**20:.1f} MiB), metadata {read_metadata(path)}\n")
+    print(
+        f"saved {path}: {path.stat().st_size / 2**20:.1f} MiB (K/V held: "
+        f"{cache.memory_report().total_bytes / 2**20:.1f} MiB), metadata {read_metadata(path)}\n"
+    )
 
     # 2. Answer each question cold (recompute the prefix) and warm (load the file): same tokens, far sooner.
     status = 0
@@ -80,14 +82,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         same = torch.equal(answer, expected)
         status |= not same
-        print(f"{question.strip()} {tokenizer.decode(answer[0, ids.shape[1]:], skip_special_tokens=True).strip()!r}")
-        print(f"  time to first token: cold {cold:.2f} s, warm {warm:.3f} s ({warm / cold:.3f}x); "
-              f"answers {'identical' if same else 'DIFFERENT'}")
+        print(f"{question.strip()} {tokenizer.decode(answer[0, ids.shape[1] :], skip_special_tokens=True).strip()!r}")
+        print(
+            f"  time to first token: cold {cold:.2f} s, warm {warm:.3f} s ({warm / cold:.3f}x); "
+            f"answers {'identical' if same else 'DIFFERENT'}"
+        )
 
     # 3. Branch in memory: one checkpoint (the rings only), many continuations, each exact.
     checkpoint = cache.checkpoint()
-    print(f"\ncheckpoint: {checkpoint.nbytes() / 2**20:.1f} MiB of ring slots (the cache holds "
-          f"{cache.memory_report().total_bytes / 2**20:.1f} MiB)")
+    print(
+        f"\ncheckpoint: {checkpoint.nbytes() / 2**20:.1f} MiB of ring slots (the cache holds "
+        f"{cache.memory_report().total_bytes / 2**20:.1f} MiB)"
+    )
     for question in QUESTIONS[: min(2, args.questions)]:
         cache.restore(checkpoint)
         ids = torch.cat([prefix, tokenizer(question, add_special_tokens=False, return_tensors="pt").input_ids], 1)

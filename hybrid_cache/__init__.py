@@ -11,30 +11,37 @@ import os
 
 from .attention_maps import attention_in_time_order
 from .cache import HybridRingCache, MemoryReport
-from .code_attention import use_code_attention
-from .compat import cache_kwargs
+
+# Importable from the package for code written against earlier releases; documented in their modules.
+from .code_attention import CODE_ATTENTION, register_code_attention, use_code_attention  # noqa: F401, E402
+from .compat import (
+    CACHE_KEYWORD,  # noqa: F401, E402
+    cache_kwargs,
+)
 from .distributed import restrict_to_stage, stage_layers
-from .errors import (
+from .errors import (  # noqa: F401, E402
     CacheCapacityError,
+    CodeAttentionError,
     ConversationMismatchError,
     HybridCacheError,
     RollbackError,
     UnsupportedAttentionError,
+    UnsupportedReleaseError,
     WindowMismatchError,
 )
-from .snapshot import CacheCheckpoint
-from .switch import disable, enable
-
-# Importable from the package for code written against earlier releases; documented in their modules.
-from .code_attention import CODE_ATTENTION, register_code_attention  # noqa: F401, E402
-from .compat import CACHE_KEYWORD  # noqa: F401, E402
-from .errors import CodeAttentionError, UnsupportedReleaseError  # noqa: F401, E402
 from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer  # noqa: F401, E402
 from .mask_hook import RingLayout, install_mask_hook, is_mask_hook_installed, uninstall_mask_hook  # noqa: F401, E402
 from .quantized import QUANTIZATION_MODES, KVQuantizer, QuantizedFullLayer, StaticQuantizedFullLayer  # noqa: F401, E402
-from .snapshot import read_metadata  # noqa: F401, E402
+from .snapshot import (
+    CacheCheckpoint,
+    read_metadata,  # noqa: F401, E402
+)
 from .streaming import SinkWindowFullLayer  # noqa: F401, E402
-from .switch import is_enabled  # noqa: F401, E402
+from .switch import (
+    disable,
+    enable,
+    is_enabled,  # noqa: F401, E402
+)
 
 __all__ = [
     "CacheCapacityError",

@@ -83,7 +83,10 @@ class MemoryReport:
         return 1.0 - self.total_bytes / self.full_cache_bytes if self.full_cache_bytes else 0.0
 
     def __str__(self) -> str:
-        lines = [f"KV cache after {self.tokens} tokens", f"  {'layer type':<18}{'layers':>7}{'slots/layer':>13}{'MiB':>11}"]
+        lines = [
+            f"KV cache after {self.tokens} tokens",
+            f"  {'layer type':<18}{'layers':>7}{'slots/layer':>13}{'MiB':>11}",
+        ]
         for layer_type, count in self.layers_by_type.items():
             slots = sorted(set(self.slots_by_type.get(layer_type, []))) or [0]
             slot_text = "/".join(str(s) for s in slots)
@@ -262,15 +265,27 @@ class HybridRingCache(Cache):
                 sinks = 4 if full_layer_sink_tokens is None else full_layer_sink_tokens
                 layers.append(SinkWindowFullLayer(sinks, full_layer_window, rollback_margin))
             elif full_layer_quantization is not None and max_cache_len is not None:
-                layers.append(StaticQuantizedFullLayer(
-                    max_cache_len, full_layer_quantization, self._workspace, full_layer_group_size, full_layer_rotation,
-                    key_calibration=full_layer_key_calibration,
-                ))
+                layers.append(
+                    StaticQuantizedFullLayer(
+                        max_cache_len,
+                        full_layer_quantization,
+                        self._workspace,
+                        full_layer_group_size,
+                        full_layer_rotation,
+                        key_calibration=full_layer_key_calibration,
+                    )
+                )
             elif full_layer_quantization is not None:
-                layers.append(QuantizedFullLayer(
-                    full_layer_quantization, self._workspace, full_layer_group_size, full_layer_rotation,
-                    initial_capacity, key_calibration=full_layer_key_calibration,
-                ))
+                layers.append(
+                    QuantizedFullLayer(
+                        full_layer_quantization,
+                        self._workspace,
+                        full_layer_group_size,
+                        full_layer_rotation,
+                        initial_capacity,
+                        key_calibration=full_layer_key_calibration,
+                    )
+                )
             elif max_cache_len is not None:
                 layers.append(StaticFullLayer(max_cache_len))
             else:
@@ -343,8 +358,10 @@ class HybridRingCache(Cache):
         """A wrapped ring's one-token step is only exact if this step's mask was built by the hook from the layout
         `get_mask_sizes` announced. Checked before any layer of the step is written (also at a full layer that comes
         before the first ring), so a refused step leaves the cache as it was."""
-        if self._first_ring is None or layer_idx > self._first_ring and not isinstance(
-            self.layers[layer_idx], _RING_LAYERS
+        if (
+            self._first_ring is None
+            or layer_idx > self._first_ring
+            and not isinstance(self.layers[layer_idx], _RING_LAYERS)
         ):
             return  # time-ordered layers after the first ring: the first ring already checked this step
         ring = self.layers[layer_idx] if layer_idx >= self._first_ring else self.layers[self._first_ring]
@@ -383,7 +400,9 @@ class HybridRingCache(Cache):
         if isinstance(kv_offset, (RingLayout, HeldFromOffset)):
             # Tell the hook's window check which mask this can be (see `HeldFromOffset.sliding_request`).
             kv_offset.sliding_request = (
-                False if isinstance(self.layers[layer_idx], SinkWindowFullLayer) else (True if FULL in self.layer_kinds else None)
+                False
+                if isinstance(self.layers[layer_idx], SinkWindowFullLayer)
+                else (True if FULL in self.layer_kinds else None)
             )
         if query_length == 1 and not isinstance(kv_offset, RingLayout) and self._wants_dense_mask(layer_idx):
             if not is_mask_hook_installed(getattr(self.config, "_attn_implementation", None) or "sdpa"):
@@ -491,7 +510,11 @@ class HybridRingCache(Cache):
 
     # --- protocol additions ---------------------------------------------------------------------------------------
     def early_initialization(
-        self, batch_size: int, num_heads: int | list[int], head_dim: int | list[int], dtype: torch.dtype,
+        self,
+        batch_size: int,
+        num_heads: int | list[int],
+        head_dim: int | list[int],
+        dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
         """Allocate every storing layer ahead of time (for `torch.export` / compiled prefill).
@@ -616,8 +639,9 @@ class HybridRingCache(Cache):
         self._forget_step_layout()  # a mask built before the restore describes another layout
 
 
-def _check_code_attention_option(code_attention: bool | None, quantization: str | None, max_cache_len: int | None
-                                 ) -> None:
+def _check_code_attention_option(
+    code_attention: bool | None, quantization: str | None, max_cache_len: int | None
+) -> None:
     """Refuse `full_layer_code_attention=True` where no layer could attend on codes."""
     if not code_attention:
         return

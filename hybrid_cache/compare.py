@@ -35,8 +35,14 @@ __all__ = [
 # "hybrid_cache_sdpa" (`hybrid_cache.code_attention`; the benchmark loads models with it); `-deq` keeps today's
 # dequantize-then-SDPA path whatever the model uses (`full_layer_code_attention=False`), for side-by-side runs.
 QUANTIZED_CACHES = {
-    "ring-int8": "int8", "ring-int4": "int4", "ring-fp8": "fp8", "ring-int4-rot": "int4",
-    "ring-int8-nocal": "int8", "ring-int4-nocal": "int4", "ring-int8-deq": "int8", "ring-int4-deq": "int4",
+    "ring-int8": "int8",
+    "ring-int4": "int4",
+    "ring-fp8": "fp8",
+    "ring-int4-rot": "int4",
+    "ring-int8-nocal": "int8",
+    "ring-int4-nocal": "int4",
+    "ring-int8-deq": "int8",
+    "ring-int4-deq": "int4",
 }
 STREAM_SINK_TOKENS, STREAM_WINDOW = 4, 2044
 CACHE_NAMES = ("ring", "dynamic", "static", *QUANTIZED_CACHES, "ring-stream", "ring-hf-fp8")
@@ -64,10 +70,14 @@ def make_cache(name: str, model_or_config: Any, max_cache_len: int, *, compileab
     if name == "ring":
         return HybridRingCache(config, max_cache_len=fixed)
     if name in QUANTIZED_CACHES:
-        return HybridRingCache(config, max_cache_len=fixed, full_layer_quantization=QUANTIZED_CACHES[name],
-                               full_layer_rotation=name.endswith("-rot"),
-                               full_layer_key_calibration=not name.endswith("-nocal"),
-                               full_layer_code_attention=False if name.endswith("-deq") else None)
+        return HybridRingCache(
+            config,
+            max_cache_len=fixed,
+            full_layer_quantization=QUANTIZED_CACHES[name],
+            full_layer_rotation=name.endswith("-rot"),
+            full_layer_key_calibration=not name.endswith("-nocal"),
+            full_layer_code_attention=False if name.endswith("-deq") else None,
+        )
     if name == "ring-stream":
         if compileable:
             raise ValueError("ring-stream (bounded full layers) has no compileable mode; time it without --compile.")
@@ -88,7 +98,9 @@ def _ring_with_transformers_fp8(config: Any, compileable: bool) -> HybridRingCac
     from .layers import GrowableFullLayer
 
     if compileable:
-        raise ValueError("ring-hf-fp8 (transformers' Fp8QuantizedLayer) is not compileable; time it without --compile.")
+        raise ValueError(
+            "ring-hf-fp8 (transformers' Fp8QuantizedLayer) is not compileable; time it without --compile."
+        )
     cache = HybridRingCache(config)
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, GrowableFullLayer):

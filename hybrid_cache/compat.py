@@ -59,8 +59,6 @@ DYNAMIC_SLIDING_CROP_SINCE = Version("5.15")
 _DUMMY_LAYER_SINCE = Version("5.23")
 
 
-
-
 if TRANSFORMERS_VERSION < OLDEST_SUPPORTED:
     raise ImportError(
         f"hybrid_cache supports transformers >= {OLDEST_SUPPORTED} (Gemma 4's first release), but "

@@ -30,8 +30,6 @@ __all__ = [
 ]
 
 
-
-
 def _check_shapes(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     """Refuse updates whose batch size / heads / head size differ from the storage (never silently mix batches)."""
     expected = (layer.batch_size, layer.num_heads)
@@ -254,8 +252,14 @@ class _StorageLayer(CacheLayerMixin):
         raise NotImplementedError
 
     def planned_nbytes(
-        self, batch_size: int, num_heads: int, k_head_dim: int, v_head_dim: int, dtype: torch.dtype,
-        prompt_length: int, total_length: int,
+        self,
+        batch_size: int,
+        num_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        dtype: torch.dtype,
+        prompt_length: int,
+        total_length: int,
     ) -> int:
         """What `nbytes()` reports after `capacity_after(prompt_length, total_length)`, for K/V of these shapes.
         Storage layouts other than dense `[batch, kv_heads, slots, head_dim]` buffers override both methods."""
@@ -620,8 +624,11 @@ class RingSlidingLayer(_UndoableStepLayer):
     def extra_nbytes(self) -> int:
         """Counters plus the window kept for undoing the last speculative step (while recording past)."""
         undo = self._undo
-        storages = {} if undo is None else {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                                            for t in (undo.keys, undo.values)}
+        storages = (
+            {}
+            if undo is None
+            else {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (undo.keys, undo.values)}
+        )
         return super().extra_nbytes() + sum(storages.values())
 
     def reset(self) -> None:

@@ -234,8 +234,15 @@ def _check_window(
 
     def visible(position: int, padding: torch.Tensor | None) -> torch.Tensor:  # [batch, q]
         return sdpa_mask(
-            batch_size=batch_size, q_length=q_length, kv_length=1, q_offset=q_offset, kv_offset=position,
-            mask_function=mask_function, attention_mask=padding, allow_is_causal_skip=False, use_vmap=use_vmap,
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=1,
+            q_offset=q_offset,
+            kv_offset=position,
+            mask_function=mask_function,
+            attention_mask=padding,
+            allow_is_causal_skip=False,
+            use_vmap=use_vmap,
             device=device,
         )[:, 0, :, 0]
 
@@ -265,8 +272,17 @@ def _check_held_from(kv_offset: HeldFromOffset, batch_size, q_length, q_offset, 
     device = kwargs.get("device", "cpu")
     padding_mask = None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
     _check_window(
-        int(kv_offset), f"positions {int(kv_offset)} and later", batch_size, q_length, q_offset, mask_function,
-        padding_mask, device, kwargs.get("use_vmap", False), kwargs.get("local_size"), kv_offset.sliding_request,
+        int(kv_offset),
+        f"positions {int(kv_offset)} and later",
+        batch_size,
+        q_length,
+        q_offset,
+        mask_function,
+        padding_mask,
+        device,
+        kwargs.get("use_vmap", False),
+        kwargs.get("local_size"),
+        kv_offset.sliding_request,
         kwargs.get("config"),
     )
 
@@ -333,9 +349,17 @@ def _make_ring_aware(original: Callable) -> Callable:
             held = kv_offset.positions[kv_offset.positions >= 0]
             if held.numel():
                 _check_window(
-                    int(held.min()), f"positions {int(held.min())}..{int(held.max())} ({held.numel()} slots)",
-                    batch_size, q_length, q_offset, mask_function, padding_mask, device,
-                    kwargs.get("use_vmap", False), kwargs.get("local_size"), kv_offset.sliding_request,
+                    int(held.min()),
+                    f"positions {int(held.min())}..{int(held.max())} ({held.numel()} slots)",
+                    batch_size,
+                    q_length,
+                    q_offset,
+                    mask_function,
+                    padding_mask,
+                    device,
+                    kwargs.get("use_vmap", False),
+                    kwargs.get("local_size"),
+                    kv_offset.sliding_request,
                     kwargs.get("config"),
                 )
             kv_offset.served = True
@@ -368,8 +392,13 @@ def _make_guard(original: Callable, name: str) -> Callable:
             _check_mask_covers_cache(kv_offset, kwargs.get("attention_mask"))
         if isinstance(kv_offset, HeldFromOffset) and "batch_size" in kwargs and "q_length" in kwargs:
             _check_held_from(
-                kv_offset, kwargs["batch_size"], kwargs["q_length"], kwargs.get("q_offset", 0),
-                kwargs.get("mask_function", causal_mask_function), kwargs.get("attention_mask"), kwargs,
+                kv_offset,
+                kwargs["batch_size"],
+                kwargs["q_length"],
+                kwargs.get("q_offset", 0),
+                kwargs.get("mask_function", causal_mask_function),
+                kwargs.get("attention_mask"),
+                kwargs,
             )
         if isinstance(kv_offset, CacheOffset):
             kwargs["kv_offset"] = int(kv_offset)

@@ -93,12 +93,20 @@ def _sha256_file(path: Path) -> str:
 
 
 def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+    }
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point:
-            raise ValueError(f"dtype {dtype} is not a floating-point dtype; pass torch.float32, torch.bfloat16 or "
-                             "torch.float16 (or one of their names)")
+            raise ValueError(
+                f"dtype {dtype} is not a floating-point dtype; pass torch.float32, torch.bfloat16 or "
+                "torch.float16 (or one of their names)"
+            )
         return dtype
     if dtype not in names:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(names)} or a floating torch.dtype")
@@ -129,17 +137,23 @@ def _check_attn_implementation(attn_implementation: str | None) -> None:
     if attn_implementation is None:
         return  # transformers' own default
     if not isinstance(attn_implementation, str):
-        raise ValueError(f"attn_implementation must be a string such as 'sdpa' or 'eager', got "
-                         f"{type(attn_implementation).__name__} {attn_implementation!r}")
+        raise ValueError(
+            f"attn_implementation must be a string such as 'sdpa' or 'eager', got "
+            f"{type(attn_implementation).__name__} {attn_implementation!r}"
+        )
     try:
         from transformers.integrations.hub_kernels import is_kernel
     except ImportError:  # pragma: no cover - depends on the transformers version
+
         def is_kernel(name: str) -> bool:
             return "/" in name
+
     names = _attention_names()
     if attn_implementation not in names and not is_kernel(attn_implementation):
-        raise ValueError(f"unknown attn_implementation {attn_implementation!r}; transformers "
-                         f"{_transformers_version()} knows {', '.join(repr(n) for n in names)} (default 'sdpa')")
+        raise ValueError(
+            f"unknown attn_implementation {attn_implementation!r}; transformers "
+            f"{_transformers_version()} knows {', '.join(repr(n) for n in names)} (default 'sdpa')"
+        )
 
 
 def _transformers_version() -> str:
@@ -167,8 +181,10 @@ def _check_model_accepts(config: Any, kwargs: dict[str, Any]) -> None:
         except Exception:
             return  # not the arguments' fault (the model cannot be built at all): the load itself will say why
         reason = " ".join(str(exc).split()) or type(exc).__name__
-        raise ValueError(f"cannot load the model with attn_implementation={attn!r}, dtype={kwargs['dtype']}: "
-                         f"{reason} Use attn_implementation='sdpa' (the default) or 'eager'.") from None
+        raise ValueError(
+            f"cannot load the model with attn_implementation={attn!r}, dtype={kwargs['dtype']}: "
+            f"{reason} Use attn_implementation='sdpa' (the default) or 'eager'."
+        ) from None
 
 
 def default_gguf_path() -> tuple[Path, str]:
@@ -200,7 +216,9 @@ def default_gguf_path() -> tuple[Path, str]:
 def _manifest_for(directory: Path, gguf_sha256: str) -> dict[str, Any]:
     import transformers
 
-    files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != "manifest.json"}
+    files = {
+        p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != "manifest.json"
+    }
     return {
         "format": _CONVERSION_FORMAT,
         "gguf_sha256": gguf_sha256,
@@ -341,8 +359,9 @@ def _default_config() -> Any | None:
 _DEFAULT_LOAD_KWARGS: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "eager"}
 
 
-def _load_converted_gguf(gguf_path: Path, gguf_sha256: str | None, *, fix_default_config: bool = False,
-                         **kwargs: Any) -> tuple[Any, Any]:
+def _load_converted_gguf(
+    gguf_path: Path, gguf_sha256: str | None, *, fix_default_config: bool = False, **kwargs: Any
+) -> tuple[Any, Any]:
     if gguf_sha256 is None:
         gguf_sha256 = _sha256_file(gguf_path)
     out_dir = cache_home() / "converted" / f"{gguf_path.stem}-{gguf_sha256[:16]}"
@@ -381,8 +400,14 @@ def _loads_with_defaults(directory: Path, fix_default_config: bool) -> bool:
     return True
 
 
-def _load_dir(path: str | Path, *, dtype: torch.dtype, attn_implementation: str,
-              local_only: bool = True, fix_default_config: bool = False) -> tuple[Any, Any]:
+def _load_dir(
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    local_only: bool = True,
+    fix_default_config: bool = False,
+) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hub_kwargs = {"local_files_only": True} if local_only else {}
@@ -407,26 +432,40 @@ def _load_dir(path: str | Path, *, dtype: torch.dtype, attn_implementation: str,
 
 
 #: Any of these in a checkpoint directory means it ships a tokenizer.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
-                    "spiece.model", "sentencepiece.bpe.model")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 
 
 def _looks_like_path(name: str) -> bool:
     """A Hub id is ``name`` or ``owner/name``; anything else is meant as a local path."""
     return (
-        name.startswith((".", "/", "~", "\\")) or name.endswith((".gguf", ".safetensors", ".bin", ".pt"))
-        or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+        name.startswith((".", "/", "~", "\\"))
+        or name.endswith((".gguf", ".safetensors", ".bin", ".pt"))
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
     )
 
 
 def _hub_error(name: str, exc: BaseException) -> str:
     """One line saying why Hub id `name` could not be loaded and what to pass instead."""
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
-    why = ("HF_HUB_OFFLINE is set (nothing is downloaded) and it is not in the local Hugging Face cache" if offline
-           else (str(exc).strip().splitlines() or [type(exc).__name__])[0])
+    why = (
+        "HF_HUB_OFFLINE is set (nothing is downloaded) and it is not in the local Hugging Face cache"
+        if offline
+        else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    )
     hint = " (Gemma 3 270M is embedded: omit the model argument to use it)" if "gemma-3-270m" in name.lower() else ""
-    return (f"cannot load model {name!r}: no such local path, and as a Hub id: {why}. Pass a local checkpoint "
-            f"directory or .gguf file{hint}.")
+    return (
+        f"cannot load model {name!r}: no such local path, and as a Hub id: {why}. Pass a local checkpoint "
+        f"directory or .gguf file{hint}."
+    )
 
 
 def load_model(

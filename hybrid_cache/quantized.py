@@ -136,7 +136,10 @@ class KVQuantizer:
 
     def bytes_per_token(self, scale_element_size: int) -> int:
         """Stored bytes per token and head: the codes plus one scale per group."""
-        return self.packed_dim * torch.empty((), dtype=self.storage_dtype).element_size() + self.groups * scale_element_size
+        return (
+            self.packed_dim * torch.empty((), dtype=self.storage_dtype).element_size()
+            + self.groups * scale_element_size
+        )
 
     def rotation_matrix(self, reference: torch.Tensor) -> torch.Tensor | None:
         """The `[group, group]` Hadamard matrix on `reference`'s device (None without rotation)."""
@@ -203,7 +206,11 @@ class KVQuantizer:
     # --- dequantize -----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def dequantize_into(
-        self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None,
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        out: torch.Tensor,
+        scratch: torch.Tensor | None = None,
         calibration: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Write the model-dtype values of `codes` / `scales` into `out` (`[..., head_dim]`), in place.
@@ -253,14 +260,19 @@ class DequantWorkspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
-    def view(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-             exact: bool = False) -> torch.Tensor:
+    def view(
+        self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, exact: bool = False
+    ) -> torch.Tensor:
         """A `shape`-d view of the `role` buffer (`"keys"` / `"values"`), allocated or grown as needed."""
         numel = math.prod(shape)
         key = (role, dtype, device)
         buffer = self._buffers.get(key)
-        if (buffer is not None and not is_torchdynamo_compiling() and buffer.is_inference()
-                and not torch.is_inference_mode_enabled()):
+        if (
+            buffer is not None
+            and not is_torchdynamo_compiling()
+            and buffer.is_inference()
+            and not torch.is_inference_mode_enabled()
+        ):
             # Allocated under `torch.inference_mode()` (a pipeline's prefill): not writable outside it. Checked in
             # eager steps only (dynamo cannot trace `is_inference`), like the layers' own `_make_writable`.
             buffer = None
@@ -339,7 +351,8 @@ class QuantizedFullLayer(_StorageLayer):
         }
         for role, quantizer in self.quantizers.items():
             self._codes[role] = torch.zeros(
-                (self.batch_size, self.num_heads, slots, quantizer.packed_dim), dtype=quantizer.storage_dtype,
+                (self.batch_size, self.num_heads, slots, quantizer.packed_dim),
+                dtype=quantizer.storage_dtype,
                 device=self.device,
             )
             self._scales[role] = torch.zeros(
@@ -430,7 +443,10 @@ class QuantizedFullLayer(_StorageLayer):
         if length:
             codes = self._codes[role][:, :, :length]
             self.quantizers[role].dequantize_into(
-                codes, self._scales[role][:, :, :length], out[:, :, :length], self._scratch(codes.shape),
+                codes,
+                self._scales[role][:, :, :length],
+                out[:, :, :length],
+                self._scratch(codes.shape),
                 self._calibration.get(role),
             )
         out[:, :, length:].copy_(states)
@@ -466,22 +482,26 @@ class QuantizedFullLayer(_StorageLayer):
     # --- attention on the codes ------------------------------------------------------------------------------------
     def uses_codes(self, history_length: int, query_length: int) -> bool:
         """Whether a step of `query_length` tokens after `history_length` stored ones can attend on the codes."""
-        return (
-            self.mode in CODE_ATTENTION_MODES and history_length > 0 and query_length <= self.code_max_query_length
-        )
+        return self.mode in CODE_ATTENTION_MODES and history_length > 0 and query_length <= self.code_max_query_length
 
-    def compressed_history(self, length: int, key_states: torch.Tensor, value_states: torch.Tensor
-                           ) -> CompressedHistory:
+    def compressed_history(
+        self, length: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> CompressedHistory:
         """Views of the codes, scales and calibration of the first `length` tokens, with this step's exact states."""
         shift, scale = self._calibration.get("keys", (None, None))
         return CompressedHistory(
             mode=self.mode,
-            key_codes=self._codes["keys"][:, :, :length], key_scales=self._scales["keys"][:, :, :length],
-            value_codes=self._codes["values"][:, :, :length], value_scales=self._scales["values"][:, :, :length],
-            key_shift=shift, key_scale=scale,
+            key_codes=self._codes["keys"][:, :, :length],
+            key_scales=self._scales["keys"][:, :, :length],
+            value_codes=self._codes["values"][:, :, :length],
+            value_scales=self._scales["values"][:, :, :length],
+            key_shift=shift,
+            key_scale=scale,
             key_rotation=self.quantizers["keys"].rotation_matrix(key_states),
             value_rotation=self.quantizers["values"].rotation_matrix(value_states),
-            current_keys=key_states, current_values=value_states, query_parts=self.code_query_parts,
+            current_keys=key_states,
+            current_values=value_states,
+            query_parts=self.code_query_parts,
         )
 
     # --- protocol -------------------------------------------------------------------------------------------------
@@ -490,7 +510,6 @@ class QuantizedFullLayer(_StorageLayer):
 
     def get_max_length(self) -> int:
         return -1
-
 
 
 class StaticQuantizedFullLayer(QuantizedFullLayer):
@@ -507,8 +526,15 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
     is_compileable = True
     cumulative_length = _tensor_counter("length_tensor")
 
-    def __init__(self, max_cache_len: int, mode: str, workspace: DequantWorkspace,
-                 group_size: int = DEFAULT_GROUP_SIZE, rotate: bool = False, key_calibration: bool = True) -> None:
+    def __init__(
+        self,
+        max_cache_len: int,
+        mode: str,
+        workspace: DequantWorkspace,
+        group_size: int = DEFAULT_GROUP_SIZE,
+        rotate: bool = False,
+        key_calibration: bool = True,
+    ) -> None:
         if max_cache_len < 1:
             raise ValueError(f"`max_cache_len` must be >= 1, got {max_cache_len}.")
         self.max_cache_len = int(max_cache_len)
@@ -538,8 +564,13 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
             shape = (self.batch_size, self.num_heads, self.max_cache_len, states.shape[-1])
             out = self.workspace.view(role, shape, self.dtype, self.device, exact=True)
             calibration = self._calibration.get(role)
-            quantizer.dequantize_into(self._codes[role], self._scales[role], out,
-                                      self._scratch(self._codes[role].shape, exact=True), calibration)
+            quantizer.dequantize_into(
+                self._codes[role],
+                self._scales[role],
+                out,
+                self._scratch(self._codes[role].shape, exact=True),
+                calibration,
+            )
             out.index_copy_(2, positions, states)  # this step's tokens exact, as in the growing layer
             codes, scales = quantizer.quantize(states, calibration)
             # torch has no CPU index_copy_ for float8: copy the same bytes through uint8 views.

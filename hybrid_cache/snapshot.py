@@ -65,23 +65,58 @@ LIBRARY_KEY = RESERVED_PREFIX + "version"
 
 # Config entries that do not change what the cache holds (names, bookkeeping, token ids, output switches).
 # Entries starting with "_" are dropped as well (`_name_or_path`, `_attn_implementation`, ...).
-_VOLATILE_CONFIG_KEYS = frozenset({
-    "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache", "output_hidden_states",
-    "output_attentions", "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward",
-    "is_encoder_decoder", "pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id", "tie_word_embeddings",
-    "initializer_range", "torchscript", "tokenizer_class", "prefix", "task_specific_params",
-})
+_VOLATILE_CONFIG_KEYS = frozenset(
+    {
+        "transformers_version",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+        "use_cache",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "unk_token_id",
+        "tie_word_embeddings",
+        "initializer_range",
+        "torchscript",
+        "tokenizer_class",
+        "prefix",
+        "task_specific_params",
+    }
+)
 # The structural fields, in the order a mismatch is reported (the first differing one is named).
 _MODEL_FIELDS = (
-    "num_hidden_layers", "layer_types", "kv_sharing_modes", "sliding_window", "num_key_value_heads", "head_dim",
+    "num_hidden_layers",
+    "layer_types",
+    "kv_sharing_modes",
+    "sliding_window",
+    "num_key_value_heads",
+    "head_dim",
     "model_type",
 )
 # How a per-layer difference confined to full-attention layers is named (Gemma 4's global attention has its own).
 _GLOBAL_NAMES = {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}
-_DTYPES = {str(dtype): dtype for dtype in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.uint8,
-)}
+_DTYPES = {
+    str(dtype): dtype
+    for dtype in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.int8,
+        torch.uint8,
+    )
+}
 
 
 # --- one layer's state ------------------------------------------------------------------------------------------
@@ -140,8 +175,15 @@ def read_layer_state(kind: str, layer: Any) -> LayerState | None:
     if slots > capacity:  # an invariant of layers.py; never silently save less than the layer holds
         raise RuntimeError(f"A {kind} layer holds {slots} slots of content but only {capacity} are allocated.")
     return LayerState(
-        kind=kind, length=length, oldest=oldest, capacity=capacity, slots=slots, batch_size=int(layer.batch_size),
-        num_heads=int(layer.num_heads), k_head_dim=int(layer.k_head_dim), v_head_dim=int(layer.v_head_dim),
+        kind=kind,
+        length=length,
+        oldest=oldest,
+        capacity=capacity,
+        slots=slots,
+        batch_size=int(layer.batch_size),
+        num_heads=int(layer.num_heads),
+        k_head_dim=int(layer.k_head_dim),
+        v_head_dim=int(layer.v_head_dim),
         dtype=layer.dtype,
     )
 
@@ -196,19 +238,23 @@ def model_identity(cache: HybridRingCache) -> dict[str, Any]:
     """What identifies the model a cache belongs to: its layer structure per field, and a config fingerprint."""
     config = cache.config
     layer_types = getattr(config, "layer_types", None)
-    windows = [getattr(layer, "sliding_window", None) if kind == SLIDING else None
-               for kind, layer in zip(cache.layer_kinds, cache.layers)]
+    windows = [
+        getattr(layer, "sliding_window", None) if kind == SLIDING else None
+        for kind, layer in zip(cache.layer_kinds, cache.layers)
+    ]
     entries = config_entries(cache)
-    return _canonical({
-        "num_hidden_layers": config.num_hidden_layers,
-        "layer_types": list(layer_types) if layer_types is not None else None,
-        "kv_sharing_modes": getattr(config, "kv_sharing_modes", None),
-        "sliding_window": windows,
-        "num_key_value_heads": cache._per_layer_attribute("num_key_value_heads", None),
-        "head_dim": cache._per_layer_attribute("head_dim", None),
-        "model_type": getattr(config, "model_type", None),
-        "fingerprint": hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest(),
-    })
+    return _canonical(
+        {
+            "num_hidden_layers": config.num_hidden_layers,
+            "layer_types": list(layer_types) if layer_types is not None else None,
+            "kv_sharing_modes": getattr(config, "kv_sharing_modes", None),
+            "sliding_window": windows,
+            "num_key_value_heads": cache._per_layer_attribute("num_key_value_heads", None),
+            "head_dim": cache._per_layer_attribute("head_dim", None),
+            "model_type": getattr(config, "model_type", None),
+            "fingerprint": hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest(),
+        }
+    )
 
 
 def _describe(field: str, saved: Any, current: Any, layer_types: list[str] | None) -> str:
@@ -317,14 +363,16 @@ def save_cache(cache: HybridRingCache, path: str | os.PathLike, metadata: Mappin
         layers.append(entry)
     from . import __version__
 
-    header.update({
-        FORMAT_KEY: FORMAT_NAME,
-        VERSION_KEY: FORMAT_VERSION,
-        LIBRARY_KEY: __version__,
-        STATE_KEY: json.dumps({"arguments": _cache_arguments(cache), "layers": layers}),
-        MODEL_KEY: json.dumps(model_identity(cache)),
-        CONFIG_KEY: json.dumps(config_entries(cache), sort_keys=True),
-    })
+    header.update(
+        {
+            FORMAT_KEY: FORMAT_NAME,
+            VERSION_KEY: FORMAT_VERSION,
+            LIBRARY_KEY: __version__,
+            STATE_KEY: json.dumps({"arguments": _cache_arguments(cache), "layers": layers}),
+            MODEL_KEY: json.dumps(model_identity(cache)),
+            CONFIG_KEY: json.dumps(config_entries(cache), sort_keys=True),
+        }
+    )
     _write_atomically(path, tensors, header)
 
 
@@ -419,8 +467,10 @@ def _parse_arguments(arguments: Any) -> dict[str, Any]:
     if dense is not None and not isinstance(dense, bool):
         raise ValueError(f"'dense_decode_mask' is {dense!r}")
     return {
-        "max_cache_len": max_cache_len, "rollback_margin": _integer(arguments, "rollback_margin"),
-        "initial_capacity": _integer(arguments, "initial_capacity"), "dense_decode_mask": dense,
+        "max_cache_len": max_cache_len,
+        "rollback_margin": _integer(arguments, "rollback_margin"),
+        "initial_capacity": _integer(arguments, "initial_capacity"),
+        "dense_decode_mask": dense,
     }
 
 
@@ -431,10 +481,15 @@ def _parse_layer_state(entry: Any, kind: str, layer: Any) -> LayerState:
     if entry.get("dtype") not in _DTYPES:
         raise ValueError(f"dtype {entry.get('dtype')!r} is not supported")
     state = LayerState(
-        kind=kind, length=_integer(entry, "length", 1), oldest=_integer(entry, "oldest"),
-        capacity=_integer(entry, "capacity", 1), slots=_integer(entry, "slots", 1),
-        batch_size=_integer(entry, "batch_size", 1), num_heads=_integer(entry, "num_heads", 1),
-        k_head_dim=_integer(entry, "k_head_dim", 1), v_head_dim=_integer(entry, "v_head_dim", 1),
+        kind=kind,
+        length=_integer(entry, "length", 1),
+        oldest=_integer(entry, "oldest"),
+        capacity=_integer(entry, "capacity", 1),
+        slots=_integer(entry, "slots", 1),
+        batch_size=_integer(entry, "batch_size", 1),
+        num_heads=_integer(entry, "num_heads", 1),
+        k_head_dim=_integer(entry, "k_head_dim", 1),
+        v_head_dim=_integer(entry, "v_head_dim", 1),
         dtype=_DTYPES[entry["dtype"]],
     )
     if kind == SLIDING:
@@ -448,8 +503,10 @@ def _parse_layer_state(entry: Any, kind: str, layer: Any) -> LayerState:
         )
     else:
         fixed = isinstance(layer, StaticFullLayer)
-        consistent = state.oldest == 0 and state.slots == state.length <= state.capacity and (
-            state.capacity == layer.max_cache_len if fixed else True
+        consistent = (
+            state.oldest == 0
+            and state.slots == state.length <= state.capacity
+            and (state.capacity == layer.max_cache_len if fixed else True)
         )
     if not consistent:
         raise ValueError(f"its counters are inconsistent ({state.to_json()})")
@@ -491,7 +548,7 @@ def load_cache(
         if reader.names != expected_names:
             raise reader.invalid(f"unexpected tensors {sorted(reader.names ^ expected_names)}")
         contents = []
-        for layer, layer_state, index in plan:
+        for _layer, layer_state, index in plan:
             tensors = []
             for name, head_dim in (("keys", layer_state.k_head_dim), ("values", layer_state.v_head_dim)):
                 tensor = reader.tensor(f"layers.{index}.{name}", layer_state, head_dim)
@@ -611,7 +668,8 @@ def _check_restorable(cache: HybridRingCache, checkpoint: CacheCheckpoint) -> No
         if not state.same_layout(layer) or (contents is not None and layer.device != contents[0].device):
             held = (
                 f"batch_size={layer.batch_size}, kv_heads={layer.num_heads}, {layer.dtype} on {layer.device}"
-                if layer.is_initialized else "nothing allocated"
+                if layer.is_initialized
+                else "nothing allocated"
             )
             raise ValueError(
                 f"Cannot restore the checkpoint: layer {index} now holds {held}, but the checkpoint was taken with "

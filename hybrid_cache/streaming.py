@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
 from .layers import RollbackError, _resolve_crop_length, _UndoableStepLayer
 from .mask_hook import RingLayout
 

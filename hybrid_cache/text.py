@@ -91,8 +91,10 @@ def _load_hub(spec: str) -> str:
             f"text source {spec!r} is not a local file and could not be loaded as a Hub dataset "
             f"(offline, or not cached?): {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
         ) from exc
-    column = "text" if "text" in ds.column_names else next(
-        (c for c, f in ds.features.items() if getattr(f, "dtype", None) == "string"), None
+    column = (
+        "text"
+        if "text" in ds.column_names
+        else next((c for c, f in ds.features.items() if getattr(f, "dtype", None) == "string"), None)
     )
     if column is None:
         raise ValueError(f"Hub dataset {spec!r} has no string column (columns: {ds.column_names})")
@@ -135,7 +137,11 @@ def load_text(source: str | Path | None = None) -> tuple[str, str]:
             description = str(path)
         elif path.exists():
             raise ValueError(f"text source {src!r} is not a regular file")
-        elif src.startswith((".", "/", "~")) or path.suffix in (".txt", ".gz", ".bz2", ".xz", ".zst") or src.count("/") > 1:
+        elif (
+            src.startswith((".", "/", "~"))
+            or path.suffix in (".txt", ".gz", ".bz2", ".xz", ".zst")
+            or src.count("/") > 1
+        ):
             raise FileNotFoundError(f"text file {src!r} does not exist")
         else:
             text = _load_hub(src)

@@ -15,16 +15,34 @@ def tiny_gemma3(window: int = 6, layers: int = 6, attn: str = "sdpa", seed: int 
     """Gemma 3 text model, 5 sliding : 1 full, GQA (4 query heads over 2 KV heads), fp32, eval mode."""
     torch.manual_seed(seed)
     config = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=window, max_position_embeddings=4096,
-        attn_implementation=attn, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=window,
+        max_position_embeddings=4096,
+        attn_implementation=attn,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
     )
     return Gemma3ForCausalLM(config).eval()
 
 
 def tiny_gemma4(
-    window: int = 6, layers: int = 8, shared: int = 3, attn: str = "sdpa", seed: int = 0, *, query_heads: int = 4,
-    kv_heads: int = 2, global_kv_heads: int = 1, per_layer_input: int = 8,
+    window: int = 6,
+    layers: int = 8,
+    shared: int = 3,
+    attn: str = "sdpa",
+    seed: int = 0,
+    *,
+    query_heads: int = 4,
+    kv_heads: int = 2,
+    global_kv_heads: int = 1,
+    per_layer_input: int = 8,
 ) -> Gemma4ForCausalLM:
     """Gemma 4 text model with KV-shared layers and different head size / KV heads for sliding and full layers.
 
@@ -34,12 +52,26 @@ def tiny_gemma4(
     layer_types = layer_types[:layers]
     layer_types[-1] = "full_attention"
     config = Gemma4TextConfig(
-        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=32,
-        hidden_size_per_layer_input=per_layer_input, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=query_heads, num_key_value_heads=kv_heads, head_dim=8, global_head_dim=16,
-        num_global_key_value_heads=global_kv_heads, attention_k_eq_v=True, sliding_window=window,
-        layer_types=layer_types, num_kv_shared_layers=shared, max_position_embeddings=4096,
-        attn_implementation=attn, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+        vocab_size=VOCAB,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size=32,
+        hidden_size_per_layer_input=per_layer_input,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=query_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=8,
+        global_head_dim=16,
+        num_global_key_value_heads=global_kv_heads,
+        attention_k_eq_v=True,
+        sliding_window=window,
+        layer_types=layer_types,
+        num_kv_shared_layers=shared,
+        max_position_embeddings=4096,
+        attn_implementation=attn,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
     )
     return Gemma4ForCausalLM(config).eval()
 
@@ -57,16 +89,33 @@ def tiny_gemma3_multimodal(window: int = 4, attn: str = "sdpa", tokens_per_image
     torch.manual_seed(seed)
     side = int(tokens_per_image**0.5)
     text = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=window, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=window,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
     )
     vision = SiglipVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=14 * side,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=14 * side,
         patch_size=14,
     )
     config = Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=tokens_per_image, image_token_index=IMAGE_ID,
-        boi_token_index=BOI_ID, eoi_token_index=EOI_ID,
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=tokens_per_image,
+        image_token_index=IMAGE_ID,
+        boi_token_index=BOI_ID,
+        eoi_token_index=EOI_ID,
     )
     config._attn_implementation = attn
     config.text_config._attn_implementation = attn
@@ -85,12 +134,26 @@ def tiny_gemma4_multimodal(window: int = 4, attn: str = "sdpa", tokens_per_image
     text = tiny_gemma4(window=window, attn=attn, seed=seed).config
     text.use_bidirectional_attention = "vision"
     vision = Gemma4VisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-        head_dim=8, patch_size=2, pooling_kernel_size=2, position_embedding_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        patch_size=2,
+        pooling_kernel_size=2,
+        position_embedding_size=64,
     )
     config = Gemma4Config(
-        text_config=text, vision_config=vision, image_token_id=IMAGE_ID, boi_token_id=BOI_ID, eoi_token_id=EOI_ID,
-        video_token_id=VOCAB - 4, audio_token_id=VOCAB - 5, boa_token_id=VOCAB - 6, eoa_token_index=VOCAB - 7,
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE_ID,
+        boi_token_id=BOI_ID,
+        eoi_token_id=EOI_ID,
+        video_token_id=VOCAB - 4,
+        audio_token_id=VOCAB - 5,
+        boa_token_id=VOCAB - 6,
+        eoa_token_index=VOCAB - 7,
     )
     config._attn_implementation = attn
     config.text_config._attn_implementation = attn

@@ -15,20 +15,53 @@ from hybrid_cache.compat import cache_kwargs
 def test_bench_main_json_schema(tmp_path, capsys):
     out = tmp_path / "bench.json"
     plot = tmp_path / "bench.png"
-    rc = bench.main([
-        "--model", "tiny", "--window", "16", "--contexts", "128", "--batch", "1", "2", "--steps", "2", "--warmup", "1",
-        "--reps", "1", "--bandwidth-bytes", str(1 << 22), "--json", str(out), "--plot", str(plot),
-    ])
+    rc = bench.main(
+        [
+            "--model",
+            "tiny",
+            "--window",
+            "16",
+            "--contexts",
+            "128",
+            "--batch",
+            "1",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--reps",
+            "1",
+            "--bandwidth-bytes",
+            str(1 << 22),
+            "--json",
+            str(out),
+            "--plot",
+            str(plot),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     assert {"machine", "command", "results"} <= set(data)
     assert data["machine"]["nproc"] >= 1 and data["machine"]["copy_bandwidth_gbps"] > 0
     assert data["command"].startswith("python -m hybrid_cache.bench")
     results = data["results"]
-    assert {(r["cache"], r["batch"]) for r in results} == {(c, b) for c in ("ring", "dynamic", "static") for b in (1, 2)}
+    assert {(r["cache"], r["batch"]) for r in results} == {
+        (c, b) for c in ("ring", "dynamic", "static") for b in (1, 2)
+    }
     for r in results:
-        for key in ("cache", "context", "batch", "dtype", "ms_per_token_median", "ms_per_token_min",
-                    "cache_ms_per_step_median", "kv_bytes", "copy_bytes_per_step", "roofline_pct_of_bandwidth"):
+        for key in (
+            "cache",
+            "context",
+            "batch",
+            "dtype",
+            "ms_per_token_median",
+            "ms_per_token_min",
+            "cache_ms_per_step_median",
+            "kv_bytes",
+            "copy_bytes_per_step",
+            "roofline_pct_of_bandwidth",
+        ):
             assert key in r, key
         assert r["context"] == 128 and r["dtype"] == "float32"
         assert r["ms_per_token_median"] > 0 and r["ms_per_token_min"] > 0
@@ -44,7 +77,7 @@ def test_bench_main_json_schema(tmp_path, capsys):
     assert "ring/static" in data["table"] and "ms/tok med/min" in data["table"]  # the JSON keeps the full tables
     # The printed view is the compact one: a median per cache and the ratios, every line within 120 characters.
     printed = capsys.readouterr().out
-    table = printed[printed.index("model     win"):]
+    table = printed[printed.index("model     win") :]
     assert "ring ms/tok | dynamic ms/tok | static ms/tok |  ring/static | ring/dynamic | load" in table
     assert "ms/tok med/min" not in table and "--full-table" in table
     assert max(len(line) for line in table.splitlines() if not line.startswith("WARNING")) <= 120
@@ -52,8 +85,27 @@ def test_bench_main_json_schema(tmp_path, capsys):
 
 def test_bench_full_table_flag(capsys):
     """--full-table prints today's full table (min times, cache ms, KV and copy MiB, peak K/V) instead."""
-    rc = bench.main(["--model", "tiny", "--window", "16", "--contexts", "32", "--batch", "1", "--steps", "1",
-                     "--warmup", "1", "--reps", "1", "--bandwidth-bytes", str(1 << 20), "--full-table"])
+    rc = bench.main(
+        [
+            "--model",
+            "tiny",
+            "--window",
+            "16",
+            "--contexts",
+            "32",
+            "--batch",
+            "1",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--reps",
+            "1",
+            "--bandwidth-bytes",
+            str(1 << 20),
+            "--full-table",
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "ring ms/tok med/min" in printed and "copy MiB" in printed and "MiB end/peak" in printed
@@ -90,11 +142,33 @@ def test_bench_compile_smoke_eager_backend(tmp_path):
     """--compile with the 'eager' backend (graph capture only; inductor is too slow for CI): one graph per cache
     (the ring over a wrapped 16-slot window, across two reps with fresh caches), compiled logits = eager logits."""
     out = tmp_path / "compiled.json"
-    rc = bench.main([
-        "--model", "tiny", "--window", "16", "--contexts", "40", "--batch", "2", "--steps", "2", "--warmup", "2",
-        "--reps", "2", "--bandwidth-bytes", str(1 << 22), "--compile", "--compile-backend", "eager",
-        "--compile-check-steps", "2", "--json", str(out),
-    ])
+    rc = bench.main(
+        [
+            "--model",
+            "tiny",
+            "--window",
+            "16",
+            "--contexts",
+            "40",
+            "--batch",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "2",
+            "--reps",
+            "2",
+            "--bandwidth-bytes",
+            str(1 << 22),
+            "--compile",
+            "--compile-backend",
+            "eager",
+            "--compile-check-steps",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     results = data["results"]
@@ -120,13 +194,31 @@ def test_prefill_json_keys_exactness_and_memory(tmp_path):
     DynamicCache's (fp32); the ring's peak K/V is exactly what a cache sized for the prompt holds (5 rings of 16 slots
     + the full layer's 48 tokens), while DynamicCache's sliding layers hold window - 1 + chunk tokens of storage."""
     out = tmp_path / "prefill.json"
-    rc = bench.main(["--model", "tiny", "--window", "16", "--prefill", "--contexts", "48", "--chunk-size", "16", "64",
-                     "--reps", "2", "--json", str(out)])
+    rc = bench.main(
+        [
+            "--model",
+            "tiny",
+            "--window",
+            "16",
+            "--prefill",
+            "--contexts",
+            "48",
+            "--chunk-size",
+            "16",
+            "64",
+            "--reps",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["mode"] == "prefill" and "ring/dynamic" in data["prefill_table"]
     rows = data["results"]
-    assert {(r["cache"], r["chunk"]) for r in rows} == {(c, k) for c in ("ring", "dynamic", "static") for k in (16, 64)}
+    assert {(r["cache"], r["chunk"]) for r in rows} == {
+        (c, k) for c in ("ring", "dynamic", "static") for k in (16, 64)
+    }
     for r in rows:
         for key in ("cache", "context", "chunk", "dtype", "prefill_ms_median", "tokens_per_s", "peak_kv_bytes"):
             assert key in r, key
@@ -147,8 +239,28 @@ def test_decode_memory_within_a_64th_of_exact(tmp_path):
     of the run the ring holds at most 1/64 more than an exactly sized cache for the same tokens, i.e. within 2% of a
     StaticCache holding them."""
     out = tmp_path / "decode.json"
-    rc = bench.main(["--model", "tiny", "--window", "16", "--contexts", "640", "--batch", "1", "--steps", "3",
-                     "--warmup", "1", "--reps", "1", "--bandwidth-bytes", str(1 << 22), "--json", str(out)])
+    rc = bench.main(
+        [
+            "--model",
+            "tiny",
+            "--window",
+            "16",
+            "--contexts",
+            "640",
+            "--batch",
+            "1",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--reps",
+            "1",
+            "--bandwidth-bytes",
+            str(1 << 22),
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     rows = {r["cache"]: r for r in data["results"]}
@@ -166,8 +278,15 @@ def test_help_shows_defaults_and_registered_caches(monkeypatch):
     from hybrid_cache import compare
 
     text = bench.build_parser().format_help()
-    for expected in ("(default: 16)", "(default: 3)", "(default 1024 4096 16384", "(default 4096 16384",
-                     "(default 128 512 2048", "(default: float32)", "'tiny-4b'"):
+    for expected in (
+        "(default: 16)",
+        "(default: 3)",
+        "(default 1024 4096 16384",
+        "(default 4096 16384",
+        "(default 128 512 2048",
+        "(default: float32)",
+        "'tiny-4b'",
+    ):
         assert expected in " ".join(text.split()), expected
     # The exact caches by default; a cache registered in hybrid_cache.compare can be chosen.
     assert bench.build_parser().parse_args([]).caches == ["ring", "dynamic", "static"]
@@ -184,7 +303,9 @@ def test_contention_meter_sees_a_competing_process():
     meter = bench.ContentionMeter(threads=bench.machine.usable_cpus())
     if bench.machine._busy_seconds(None) is None:
         pytest.skip("no /proc/stat on this platform")
-    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"]
+    )
     try:
         time.sleep(0.3)
         contention = meter.probe(1.5)

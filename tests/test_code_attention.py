@@ -21,9 +21,9 @@ from conftest import VOCAB, chunked_logits, tiny_gemma3, tiny_gemma4
 from transformers import DynamicCache
 
 import hybrid_cache.code_attention as code_attention
-from hybrid_cache.compat import cache_kwargs
 from hybrid_cache import CODE_ATTENTION, CodeAttentionError, HybridRingCache, use_code_attention
 from hybrid_cache.code_attention import CompressedKV, code_domain_attention, reference_attention
+from hybrid_cache.compat import cache_kwargs
 from hybrid_cache.quantized import DequantWorkspace, QuantizedFullLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -20,8 +20,8 @@ import torch
 from conftest import MODEL_BUILDERS, VOCAB
 from transformers import DynamicCache
 
-from hybrid_cache.compat import cache_kwargs
 from hybrid_cache import ConversationMismatchError, HybridRingCache
+from hybrid_cache.compat import cache_kwargs
 
 GENERATE = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
 

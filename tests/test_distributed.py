@@ -69,8 +69,18 @@ def torchrun(layout: str, dirs: list[Path], out: Path, nproc: int = 2, runs: str
     """Run the worker under torchrun; return its exit status and output. Never outlives `HARD_TIMEOUT`."""
     out.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
-        str(WORKER_DIR / "dist_worker.py"), "--layout", layout, "--out", str(out), *map(str, dirs),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        str(WORKER_DIR / "dist_worker.py"),
+        "--layout",
+        layout,
+        "--out",
+        str(out),
+        *map(str, dirs),
     ]
     if runs:
         command[-len(dirs) : -len(dirs)] = ["--runs", runs]
@@ -162,9 +172,12 @@ def test_tensor_parallel_early_initialization_allocates_the_ranks_heads(tp_resul
     """`early_initialization(num_heads=config heads / 2)` allocates each rank's heads per layer type (Gemma 4: 2
     sliding, 1 full), and `generate` then writes into those very buffers (no reallocation)."""
     config = _reference_model(str(model_dirs[model])).config
-    expected = [None if mode == "reuse" else layer.num_key_value_heads // 2 for layer, mode in zip(
-        config.per_layer_config, getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers
-    )]
+    expected = [
+        None if mode == "reuse" else layer.num_key_value_heads // 2
+        for layer, mode in zip(
+            config.per_layer_config, getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers
+        )
+    ]
     for result in tp_results:
         got = result[(model, "padded", "ring_early_init")]
         assert got["kv_heads"] == expected
@@ -179,7 +192,11 @@ def test_tensor_parallel_memory_equals_planner(tp_results, model_dirs, model, sc
     for result in tp_results:
         got = result[(model, scenario, cache)]
         plan = plan_kv_memory(
-            config, got["tokens"], prompt_length=got["prompt"], batch_size=got["cache_batch"], dtype=torch.float32,
+            config,
+            got["tokens"],
+            prompt_length=got["prompt"],
+            batch_size=got["cache_batch"],
+            dtype=torch.float32,
             tp_size=2,
             max_cache_len=_fixed_capacity(scenario, cache),
         )
@@ -223,7 +240,11 @@ def test_pipeline_memory_per_stage_equals_planner(pp_results, model_dirs, model,
     for result in pp_results:
         got = result[(model, "padded", cache)]
         plan = plan_kv_memory(
-            config, got["tokens"], prompt_length=got["prompt"], batch_size=got["cache_batch"], dtype=torch.float32,
+            config,
+            got["tokens"],
+            prompt_length=got["prompt"],
+            batch_size=got["cache_batch"],
+            dtype=torch.float32,
             pp_size=2,
             max_cache_len=_fixed_capacity("padded", cache),
         )

@@ -35,8 +35,15 @@ def test_config_without_sliding_layers_works():
     """No sliding layers: every layer is full, results exact, nothing saved (and no error)."""
     torch.manual_seed(0)
     config = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, layer_types=["full_attention"] * 3, attn_implementation="sdpa",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        layer_types=["full_attention"] * 3,
+        attn_implementation="sdpa",
     )
     model = Gemma3ForCausalLM(config).eval()
     cache = HybridRingCache(model.config)
@@ -185,8 +192,12 @@ def test_every_error_has_one_base_and_keeps_its_builtin_base():
     from hybrid_cache import errors
 
     builtin = {
-        "CacheCapacityError": RuntimeError, "RollbackError": RuntimeError, "UnsupportedAttentionError": RuntimeError,
-        "WindowMismatchError": ValueError, "ConversationMismatchError": ValueError, "CodeAttentionError": RuntimeError,
+        "CacheCapacityError": RuntimeError,
+        "RollbackError": RuntimeError,
+        "UnsupportedAttentionError": RuntimeError,
+        "WindowMismatchError": ValueError,
+        "ConversationMismatchError": ValueError,
+        "CodeAttentionError": RuntimeError,
         "UnsupportedReleaseError": RuntimeError,
     }
     assert set(errors.__all__) == set(builtin) | {"HybridCacheError"}

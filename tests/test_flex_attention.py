@@ -13,7 +13,6 @@ from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits
 
 from hybrid_cache import HybridRingCache, RingLayout
 
-
 # transformers' own flex integration warns on CPU (its `create_block_mask(_compile=True)` flag is deprecated in torch
 # 2.13; torch notes an unfused fallback while tracing): not about this package, and the same with every cache.
 pytestmark = [

@@ -17,16 +17,30 @@ from hybrid_cache import HybridRingCache
 from hybrid_cache.compat import cache_kwargs
 
 
-
 def tiny_drafter(window: int, attn: str, draft_tokens: int) -> Gemma4AssistantForCausalLM:
     """A drafter whose attention reads the tiny target's shared K/V (same head sizes and KV heads per layer type)."""
     torch.manual_seed(1)
     text = Gemma4TextConfig(
-        vocab_size=VOCAB, vocab_size_per_layer_input=0, hidden_size=24, hidden_size_per_layer_input=0,
-        intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=window,
-        layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=2, max_position_embeddings=4096,
-        attn_implementation=attn, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+        vocab_size=VOCAB,
+        vocab_size_per_layer_input=0,
+        hidden_size=24,
+        hidden_size_per_layer_input=0,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=2,
+        max_position_embeddings=4096,
+        attn_implementation=attn,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
     )
     config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=32)
     config._attn_implementation = attn
@@ -50,8 +64,14 @@ def drafted_logits(target, drafter, cache, prompt: torch.Tensor, new_tokens: int
     try:
         with torch.no_grad():
             tokens = target.generate(
-                input_ids=prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, **cache_kwargs(cache),
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                assistant_model=drafter,
+                **cache_kwargs(cache),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
             )
     finally:
         drafter.forward = forward
@@ -66,8 +86,11 @@ def geometries(count: int, seed: int) -> list:
     for _ in range(count):
         window = rng.randint(2, 9)
         prompt = rng.choice([window - 1, window, window + 1, window + 2, rng.randint(2, 3 * window + 4)])
-        cases.append(pytest.param(window, max(prompt, 2), rng.randint(1, 5), rng.choice([0, 0, 3]),
-                                  id=f"W{window}-P{max(prompt, 2)}"))
+        cases.append(
+            pytest.param(
+                window, max(prompt, 2), rng.randint(1, 5), rng.choice([0, 0, 3]), id=f"W{window}-P{max(prompt, 2)}"
+            )
+        )
     return cases
 
 

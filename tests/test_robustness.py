@@ -51,8 +51,9 @@ def snapshot(cache: HybridRingCache) -> list:
     state = []
     for layer in cache.layers:
         if isinstance(getattr(layer, "keys", None), torch.Tensor):
-            state.append((layer.get_seq_length(), getattr(layer, "_oldest", None), layer.keys.clone(),
-                          layer.values.clone()))
+            state.append(
+                (layer.get_seq_length(), getattr(layer, "_oldest", None), layer.keys.clone(), layer.values.clone())
+            )
     return state
 
 
@@ -85,8 +86,15 @@ def qwen2_full_first():
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
         attn_implementation="sdpa",
     )
     return Qwen2ForCausalLM(config).eval()
@@ -177,8 +185,9 @@ def test_saved_cache_in_fresh_process(model_name, use_torch, tmp_path):
     else:
         path.write_bytes(pickle.dumps(cache))
     child = CHILD.format(tests=str(TESTS), name=model_name, path=str(path), use_torch=use_torch, start=6)
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(child)], capture_output=True, text=True,
-                            timeout=300, cwd=TESTS.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(child)], capture_output=True, text=True, timeout=300, cwd=TESTS.parent
+    )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
@@ -191,13 +200,18 @@ def test_prompt_lookup_leaves_nothing_behind(model_name):
     cache = HybridRingCache(model.config)
     kwargs = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
     with torch.no_grad():
-        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **cache_kwargs(cache),
-                             prompt_lookup_num_tokens=3, **kwargs)
+        out = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            **cache_kwargs(cache),
+            prompt_lookup_num_tokens=3,
+            **kwargs,
+        )
         assert reachable_tensor_bytes(cache) == cache.memory_report().total_bytes
         assert cache.memory_report().extra_bytes == 0, "an undo copy survived generate"
         # A long plain forward right after: whatever it keeps is counted, and released by the next step.
         turn = torch.cat([out, tokens(40, seed=2)], 1)
-        model(input_ids=turn[:, out.shape[1]:], **cache_kwargs(cache))
+        model(input_ids=turn[:, out.shape[1] :], **cache_kwargs(cache))
         assert reachable_tensor_bytes(cache) == cache.memory_report().total_bytes
         model(input_ids=tokens(1, seed=3), **cache_kwargs(cache))
         report = cache.memory_report()
@@ -214,8 +228,15 @@ def test_speculation_still_exact_after_recording_rules(model_name):
     decoding exact: tokens equal DynamicCache's."""
     model = MODEL_BUILDERS[model_name](window=4)
     prompt = torch.cat([tokens(6, seed=1)] * 3, 1)
-    kwargs = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=20,
-                  min_new_tokens=20, pad_token_id=0, prompt_lookup_num_tokens=5)
+    kwargs = dict(
+        input_ids=prompt,
+        attention_mask=torch.ones_like(prompt),
+        do_sample=False,
+        max_new_tokens=20,
+        min_new_tokens=20,
+        pad_token_id=0,
+        prompt_lookup_num_tokens=5,
+    )
     with torch.no_grad():
         ring = model.generate(**kwargs, **cache_kwargs(HybridRingCache(model.config)))
         assert torch.equal(ring, model.generate(**kwargs, **cache_kwargs(DynamicCache(config=model.config))))
@@ -354,8 +375,9 @@ def test_attention_maps_in_time_order(model_name):
 def _store_layer(model, cache, layer_idx: int) -> int:
     """The storing layer whose keys a KV-shared Gemma 4 layer reuses: the last non-shared layer of its type."""
     layer_type = model.config.layer_types[layer_idx]
-    return max(i for i, kind in enumerate(cache.layer_kinds) if kind != "shared"
-               and model.config.layer_types[i] == layer_type)
+    return max(
+        i for i, kind in enumerate(cache.layer_kinds) if kind != "shared" and model.config.layer_types[i] == layer_type
+    )
 
 
 # --- gradients through the cache -------------------------------------------------------------------------------------

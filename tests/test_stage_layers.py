@@ -74,7 +74,9 @@ def test_kv_sharing_within_a_stage_is_served():
 
 def test_pipeline_layer_range_is_transformers_split():
     assert [list(pipeline_layer_range(stage, 3, 32)) for stage in range(3)] == [
-        list(range(0, 11)), list(range(11, 22)), list(range(22, 32))
+        list(range(0, 11)),
+        list(range(11, 22)),
+        list(range(22, 32)),
     ]
     with pytest.raises(ValueError, match="stage must be"):
         pipeline_layer_range(2, 2, 8)
@@ -105,8 +107,10 @@ def test_early_initialization_scales_per_type_heads_by_the_tp_degree():
     gets its own type's count / 2. An int that is no rank's count, or heads TP cannot split, raise."""
     model = tiny_gemma4(query_heads=8, kv_heads=4, global_kv_heads=2)
     config = _distributed(model, tp_size=2)
-    expected = [None if kind == "shared" else (2 if kind == "sliding_attention" else 1)
-                for kind in HybridRingCache(config).layer_kinds]
+    expected = [
+        None if kind == "shared" else (2 if kind == "sliding_attention" else 1)
+        for kind in HybridRingCache(config).layer_kinds
+    ]
     for num_heads in (2, 1):
         cache = HybridRingCache(config)
         cache.early_initialization(batch_size=1, num_heads=num_heads, head_dim=8, dtype=torch.float32, device="cpu")

@@ -54,7 +54,9 @@ def random_schedule(seed: int, total: int) -> list[int]:
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize(("sinks", "window"), [(0, 3), (2, 5), (4, 9), (1, 1)], ids=["S0-R3", "S2-R5", "S4-R9", "S1-R1"])
+@pytest.mark.parametrize(
+    ("sinks", "window"), [(0, 3), (2, 5), (4, 9), (1, 1)], ids=["S0-R3", "S2-R5", "S4-R9", "S1-R1"]
+)
 def test_chunked_logits_equal_the_masked_oracle(model_name, sinks, window, seed):
     model = get_model(model_name)
     ids = torch.randint(3, VOCAB, (2, 44), generator=torch.Generator().manual_seed(seed))
@@ -159,8 +161,15 @@ def test_generate_modes_run_and_stay_bounded(case):
     cache = HybridRingCache(model.config, full_layer_sink_tokens=2, full_layer_window=8)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), max_new_tokens=25,
-                             min_new_tokens=25, pad_token_id=0, **kwargs)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            **cache_kwargs(cache),
+            max_new_tokens=25,
+            min_new_tokens=25,
+            pad_token_id=0,
+            **kwargs,
+        )
     assert out.shape[-1] == ids.shape[1] + 25
     assert all(layer.capacity == 10 for layer in cache.layers if isinstance(layer, SinkWindowFullLayer))
 
@@ -171,8 +180,15 @@ def test_greedy_generate_equals_the_masked_oracle():
     ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
     cache = HybridRingCache(model.config, full_layer_sink_tokens=2, full_layer_window=5)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), max_new_tokens=20,
-                             min_new_tokens=20, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            **cache_kwargs(cache),
+            max_new_tokens=20,
+            min_new_tokens=20,
+            do_sample=False,
+            pad_token_id=0,
+        )
     schedule = [ids.shape[1]] + [1] * 19
     oracle = bounded_oracle_logits(model, out[:, :-1], schedule, 2, 5)
     assert torch.equal(oracle[:, ids.shape[1] - 1 :].argmax(-1), out[:, ids.shape[1] :])

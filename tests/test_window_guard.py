@@ -23,8 +23,8 @@ import torch
 from conftest import MODEL_BUILDERS, VOCAB, no_cache_logits
 from transformers import DynamicCache
 
-from hybrid_cache.compat import cache_kwargs
 from hybrid_cache import HybridRingCache, WindowMismatchError
+from hybrid_cache.compat import cache_kwargs
 
 TOLERANCE = 1e-4
 CASES = 40  # random geometries per (family, attention) pair
@@ -127,7 +127,9 @@ def test_left_padded_batches_are_exact_or_refused(family, one_thread):
             for size in schedule:
                 end = position + size
                 try:
-                    logits = model(input_ids=ids[:, position:end], attention_mask=mask[:, :end], **cache_kwargs(cache)).logits
+                    logits = model(
+                        input_ids=ids[:, position:end], attention_mask=mask[:, :end], **cache_kwargs(cache)
+                    ).logits
                 except WindowMismatchError:
                     assert cache_window < model_window, f"case {case}: refused with a large enough cache window"
                     assert cache.get_seq_length() == position
@@ -158,4 +160,7 @@ def test_generate_is_exact_or_refused(family, one_thread):
                 with pytest.raises(WindowMismatchError):
                     model.generate(**kwargs, **chunking, **cache_kwargs(cache))
             else:
-                assert torch.equal(model.generate(**kwargs, **chunking, **cache_kwargs(cache)), expected), (case, chunking)
+                assert torch.equal(model.generate(**kwargs, **chunking, **cache_kwargs(cache)), expected), (
+                    case,
+                    chunking,
+                )

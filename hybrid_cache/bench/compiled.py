@@ -90,10 +90,19 @@ class _Compiled:
     def result_fields(self, options: CompileOptions) -> dict[str, Any]:
         """The `BenchResult` fields of a compiled row."""
         graphs = self.counter.frame_count
-        return dict(compiled=True, compile_backend=options.backend, compile_mode=options.mode, compile_mask=self.mask,
-                    compile_dynamic=self.dynamic, compile_seconds=self.compile_seconds,
-                    compile_seconds_total=self.compile_seconds_total, graphs=graphs, recompiles=max(graphs - 1, 0),
-                    recompiled_during_timing=self.recompiled_during_timing, **self.check)
+        return dict(
+            compiled=True,
+            compile_backend=options.backend,
+            compile_mode=options.mode,
+            compile_mask=self.mask,
+            compile_dynamic=self.dynamic,
+            compile_seconds=self.compile_seconds,
+            compile_seconds_total=self.compile_seconds_total,
+            graphs=graphs,
+            recompiles=max(graphs - 1, 0),
+            recompiled_during_timing=self.recompiled_during_timing,
+            **self.check,
+        )
 
     @staticmethod
     def flags(result: Any) -> str:
@@ -122,8 +131,13 @@ def _outside_masks(model: Any, cache: Any, inputs: dict[str, torch.Tensor]) -> A
 
     build = getattr(model, "create_masks_for_generate", create_masks_for_generate)
     ids = inputs["input_ids"]
-    masks = build(config=model.config, inputs_embeds=torch.empty((*ids.shape[:2], 0), dtype=model.dtype, device=ids.device),
-                  attention_mask=None, **cache_kwargs(cache), position_ids=inputs["position_ids"])
+    masks = build(
+        config=model.config,
+        inputs_embeds=torch.empty((*ids.shape[:2], 0), dtype=model.dtype, device=ids.device),
+        attention_mask=None,
+        **cache_kwargs(cache),
+        position_ids=inputs["position_ids"],
+    )
     if isinstance(masks, dict):
         return {k: v.contiguous() if v is not None else None for k, v in masks.items()}
     return masks.contiguous() if masks is not None else None
@@ -147,14 +161,26 @@ def _compare_logits(eager: list[torch.Tensor], compiled: list[torch.Tensor]) -> 
         tolerance = rtol * max(1.0, float(e.abs().max()))
         chosen = e.gather(-1, c_arg[:, None])[:, 0]
         ok &= bool((chosen >= e.max(-1).values - tolerance).all())
-    return {"compiled_check_steps": len(compiled), "compiled_max_abs_logit_diff": max_diff,
-            "compiled_argmax_agree": agree / total if total else None, "compiled_matches_eager": ok and total > 0}
+    return {
+        "compiled_check_steps": len(compiled),
+        "compiled_max_abs_logit_diff": max_diff,
+        "compiled_argmax_agree": agree / total if total else None,
+        "compiled_matches_eager": ok and total > 0,
+    }
 
 
-def compiled_decode_once(model: Any, compiled: _Compiled, batch: int, context: int, steps: int, warmup: int,
-                          source: PrefillSource, vocab: int, first_rep: bool,
-                          device: torch.device | str = "cpu",
-                          ) -> tuple[list[float], list[float], tuple[int, int], int, dict[str, int]]:
+def compiled_decode_once(
+    model: Any,
+    compiled: _Compiled,
+    batch: int,
+    context: int,
+    steps: int,
+    warmup: int,
+    source: PrefillSource,
+    vocab: int,
+    first_rep: bool,
+    device: torch.device | str = "cpu",
+) -> tuple[list[float], list[float], tuple[int, int], int, dict[str, int]]:
     """As `_decode_once`, through `compiled.forward`: fresh fixed-size cache + eager prefill (``cache.update``),
     untimed warm-up steps (the first compiles; warm-up continues while steps still compile, at most 8 more), one eager
     step counting copies (first rep), `steps` timed steps. On the first rep the first compiled steps are compared with
@@ -166,8 +192,9 @@ def compiled_decode_once(model: Any, compiled: _Compiled, batch: int, context: i
 
     def call(forward, cache, inputs):
         if outside:
-            return forward(**inputs, attention_mask=_outside_masks(model, cache, inputs), **cache_kwargs(cache),
-                           use_cache=True)
+            return forward(
+                **inputs, attention_mask=_outside_masks(model, cache, inputs), **cache_kwargs(cache), use_cache=True
+            )
         return forward(**inputs, **cache_kwargs(cache), use_cache=True)
 
     check_steps = min(warmup, compiled.check_steps) if first_rep else 0
@@ -217,7 +244,9 @@ def compiled_decode_once(model: Any, compiled: _Compiled, batch: int, context: i
         inputs = step_inputs(batch, position, vocab, generator, device)
         with torch.inference_mode():
             mask = _outside_masks(model, cache, inputs) if outside else None
-        copy_bytes, by_op = count_update_copy_bytes(model, cache, dict(inputs, **({"attention_mask": mask} if outside else {})))
+        copy_bytes, by_op = count_update_copy_bytes(
+            model, cache, dict(inputs, **({"attention_mask": mask} if outside else {}))
+        )
         position += 1
     step_ms, mask_ms = [], []
     graphs_before = compiled.counter.frame_count

@@ -105,9 +105,18 @@ def _held(cache: Any) -> tuple[int, int]:
     return int(cache.get_seq_length()), kv_bytes_held(cache)
 
 
-def _decode_once(model: Any, cache_name: str, batch: int, context: int, steps: int, warmup: int,
-                 source: PrefillSource, vocab: int, count_copies: bool, device: torch.device | str = "cpu",
-                 ) -> _DecodeRun:
+def _decode_once(
+    model: Any,
+    cache_name: str,
+    batch: int,
+    context: int,
+    steps: int,
+    warmup: int,
+    source: PrefillSource,
+    vocab: int,
+    count_copies: bool,
+    device: torch.device | str = "cpu",
+) -> _DecodeRun:
     """Fresh cache + prefill, `warmup` untimed steps (+1 step counting copies), `steps` timed steps; the K/V bytes
     held are read after the prefill and after every step, outside the timed region."""
     generator = torch.Generator().manual_seed(context * 31 + batch)
@@ -122,7 +131,9 @@ def _decode_once(model: Any, cache_name: str, batch: int, context: int, steps: i
             position += 1
     copy_bytes, by_op = 0, {}
     if count_copies:
-        copy_bytes, by_op = count_update_copy_bytes(model, cache, step_inputs(batch, position, vocab, generator, device))
+        copy_bytes, by_op = count_update_copy_bytes(
+            model, cache, step_inputs(batch, position, vocab, generator, device)
+        )
         trace.append(_held(cache))
         position += 1
     step_ms, update_ms, mask_ms = [], [], []
@@ -153,11 +164,24 @@ def _must_read(cache_name: str, exact_must_read: int, weights: int, held: int) -
     return exact_must_read
 
 
-def run_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, contexts: Sequence[int],
-                  batches: Sequence[int], caches: Sequence[str], steps: int, warmup: int, reps: int,
-                  bandwidth_gbps: float, log: Callable[[str], None] = print, device: torch.device | str = "cpu",
-                  compile_options: CompileOptions | None = None, include_eager: bool = True,
-                  meter: ContentionMeter | None = None) -> list[BenchResult]:
+def run_benchmark(
+    model: Any,
+    *,
+    model_name: str,
+    dtype: torch.dtype,
+    contexts: Sequence[int],
+    batches: Sequence[int],
+    caches: Sequence[str],
+    steps: int,
+    warmup: int,
+    reps: int,
+    bandwidth_gbps: float,
+    log: Callable[[str], None] = print,
+    device: torch.device | str = "cpu",
+    compile_options: CompileOptions | None = None,
+    include_eager: bool = True,
+    meter: ContentionMeter | None = None,
+) -> list[BenchResult]:
     """Benchmark every (context, batch) for every cache; repetitions interleaved across caches.
 
     With `compile_options`, the compileable caches (``ring``, ``static``) are timed through ``torch.compile``d
@@ -188,7 +212,9 @@ def run_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, contexts: 
             if compiled_specs:
                 torch._dynamo.reset()  # every (context, batch) compiles afresh: graphs are counted per cache
                 variants += [(name, new_compiled(model, name, mask, compile_options)) for name, mask in compiled_specs]
-            runs: dict[int, dict[str, list]] = {i: {"step": [], "update": [], "mask": []} for i in range(len(variants))}
+            runs: dict[int, dict[str, list]] = {
+                i: {"step": [], "update": [], "mask": []} for i in range(len(variants))
+            }
             extra: dict[int, tuple[list[tuple[int, int]], int, dict[str, int]]] = {}
             peaks: dict[int, int | None] = {}
             load = {i: Contention() for i in range(len(variants))}
@@ -197,15 +223,34 @@ def run_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, contexts: 
                     _reset_peak(device)
                     with meter.track(load[index]):
                         if compiled is None:
-                            run = _decode_once(model, cache_name, batch, context, steps, warmup, source, vocab,
-                                               count_copies=(rep == 0), device=device)
+                            run = _decode_once(
+                                model,
+                                cache_name,
+                                batch,
+                                context,
+                                steps,
+                                warmup,
+                                source,
+                                vocab,
+                                count_copies=(rep == 0),
+                                device=device,
+                            )
                             step_ms, mask_ms, trace = run.step_ms, run.mask_ms, run.kv_trace
                             copies, by_op = run.copy_bytes, run.copy_bytes_by_op
                             runs[index]["update"] += run.update_ms
                         else:
                             step_ms, mask_ms, held, copies, by_op = compiled_decode_once(
-                                model, compiled, batch, context, steps, warmup, source, vocab, first_rep=(rep == 0),
-                                device=device)
+                                model,
+                                compiled,
+                                batch,
+                                context,
+                                steps,
+                                warmup,
+                                source,
+                                vocab,
+                                first_rep=(rep == 0),
+                                device=device,
+                            )
                             trace = [held]
                     runs[index]["step"] += step_ms
                     runs[index]["mask"] += mask_ms
@@ -232,36 +277,56 @@ def run_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, contexts: 
                     mask_med = statistics.median(r["mask"]) if r["mask"] else None
                     compile_fields = compiled.result_fields(compile_options)
                 result = BenchResult(
-                    cache=cache_name, context=context, batch=batch, dtype=dtype_name, model=model_name,
-                    window=getattr(config, "sliding_window", None), steps=steps, reps=reps,
-                    ms_per_token_median=median, ms_per_token_min=min(r["step"]),
-                    cache_ms_per_step_median=cache_med, update_ms_per_step_median=update_med,
+                    cache=cache_name,
+                    context=context,
+                    batch=batch,
+                    dtype=dtype_name,
+                    model=model_name,
+                    window=getattr(config, "sliding_window", None),
+                    steps=steps,
+                    reps=reps,
+                    ms_per_token_median=median,
+                    ms_per_token_min=min(r["step"]),
+                    cache_ms_per_step_median=cache_med,
+                    update_ms_per_step_median=update_med,
                     mask_ms_per_step_median=mask_med,
-                    kv_bytes=held, copy_bytes_per_step=copies, copy_bytes_by_op=by_op,
+                    kv_bytes=held,
+                    copy_bytes_per_step=copies,
+                    copy_bytes_by_op=by_op,
                     bytes_must_read_per_step=must_read,
-                    roofline_pct_of_bandwidth=100.0 * (_must_read(cache_name, must_read, weights, held)
-                                                       / (median / 1e3)) / (bandwidth_gbps * 1e9),
-                    tokens_per_s=1e3 * batch / median, step_times_ms=[round(t, 3) for t in r["step"]],
-                    device=device_name, peak_memory_bytes=peaks.get(index),
-                    kv_trace=trace, kv_bytes_peak=max(b for _, b in trace),
+                    roofline_pct_of_bandwidth=100.0
+                    * (_must_read(cache_name, must_read, weights, held) / (median / 1e3))
+                    / (bandwidth_gbps * 1e9),
+                    tokens_per_s=1e3 * batch / median,
+                    step_times_ms=[round(t, 3) for t in r["step"]],
+                    device=device_name,
+                    peak_memory_bytes=peaks.get(index),
+                    kv_trace=trace,
+                    kv_bytes_peak=max(b for _, b in trace),
                     kv_bytes_exact=exact_kv_bytes(model, batch, trace[-1][0], dtype),
                     kv_ratio_to_exact_max=max(ratios) if ratios else None,
-                    other_cpu_cores=load[index].other_cores, loadavg_max=load[index].loadavg_max,
-                    competing_load=meter.competing(load[index]), **compile_fields,
+                    other_cpu_cores=load[index].other_cores,
+                    loadavg_max=load[index].loadavg_max,
+                    competing_load=meter.competing(load[index]),
+                    **compile_fields,
                 )
                 results.append(result)
                 busy = "  [!] other work competed for the CPUs" if result.competing_load else ""
                 if compiled is None:
-                    log(f"  {dtype_name:>8} ctx={context:>6} B={batch:>2} {cache_name:>9}: "
+                    log(
+                        f"  {dtype_name:>8} ctx={context:>6} B={batch:>2} {cache_name:>9}: "
                         f"{median:8.2f} ms/tok (min {result.ms_per_token_min:.2f}), cache {cache_med:.3f} "
                         f"ms/step, KV {held / 2**20:.1f} MiB (max {result.kv_ratio_to_exact_max:.3f}x exact), "
                         f"copies {copies / 2**20:.3f} MiB/step, roofline {result.roofline_pct_of_bandwidth:.0f}%, "
-                        f"load {result.loadavg_max}{busy}")
+                        f"load {result.loadavg_max}{busy}"
+                    )
                 else:
-                    log(f"  {dtype_name:>8} ctx={context:>6} B={batch:>2} {cache_name:>9} compiled "
+                    log(
+                        f"  {dtype_name:>8} ctx={context:>6} B={batch:>2} {cache_name:>9} compiled "
                         f"(masks {compiled.mask}, dynamic={compiled.dynamic}): {median:8.2f} ms/tok "
                         f"(min {result.ms_per_token_min:.2f}), compile {result.compile_seconds or 0:.1f} s "
                         f"(total {result.compile_seconds_total:.1f} s), graphs {result.graphs}, eager check: "
                         f"max |dlogit| {result.compiled_max_abs_logit_diff}, argmax agree "
-                        f"{result.compiled_argmax_agree}{compiled.flags(result)}{busy}")
+                        f"{result.compiled_argmax_agree}{compiled.flags(result)}{busy}"
+                    )
     return results

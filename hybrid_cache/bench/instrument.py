@@ -57,8 +57,11 @@ class CacheOpTimer:
                 timer.max_sliding_returned = max(timer.max_sliding_returned, out[0].shape[-2])
             return out
 
-        modules = {sys.modules[type(m).__module__] for m in model.modules()
-                   if type(m).__module__.startswith("transformers.models.")}
+        modules = {
+            sys.modules[type(m).__module__]
+            for m in model.modules()
+            if type(m).__module__.startswith("transformers.models.")
+        }
         patched: list[tuple[Any, str, Any]] = []
 
         def wrap(fn):
@@ -68,6 +71,7 @@ class CacheOpTimer:
                     return fn(*args, **kwargs)
                 finally:
                     timer.mask_s += time.perf_counter() - start
+
             timed_mask.__wrapped__ = fn
             return timed_mask
 
@@ -87,10 +91,38 @@ class CacheOpTimer:
 
 
 _WRITE_SOURCE_OPS = {"index_copy_", "index_copy", "index_put_", "index_put", "_index_put_impl_"}
-_NO_WRITE_OPS = {"view", "_unsafe_view", "slice", "select", "as_strided", "expand", "t", "transpose", "unsqueeze",
-                 "squeeze", "alias", "detach", "permute", "split", "split_with_sizes", "unbind", "lift_fresh",
-                 "empty", "empty_like", "detach_", "new_empty", "empty_strided", "new_empty_strided", "sym_size", "sym_stride",
-                 "is_same_size", "_local_scalar_dense", "item", "sym_numel", "sym_storage_offset"}
+_NO_WRITE_OPS = {
+    "view",
+    "_unsafe_view",
+    "slice",
+    "select",
+    "as_strided",
+    "expand",
+    "t",
+    "transpose",
+    "unsqueeze",
+    "squeeze",
+    "alias",
+    "detach",
+    "permute",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "lift_fresh",
+    "empty",
+    "empty_like",
+    "detach_",
+    "new_empty",
+    "empty_strided",
+    "new_empty_strided",
+    "sym_size",
+    "sym_stride",
+    "is_same_size",
+    "_local_scalar_dense",
+    "item",
+    "sym_numel",
+    "sym_storage_offset",
+}
 
 
 class _CopyCounter(TorchDispatchMode):
@@ -120,7 +152,9 @@ class _CopyCounter(TorchDispatchMode):
         return out
 
 
-def count_update_copy_bytes(model: Any, cache: Any, step_inputs: dict[str, torch.Tensor]) -> tuple[int, dict[str, int]]:
+def count_update_copy_bytes(
+    model: Any, cache: Any, step_inputs: dict[str, torch.Tensor]
+) -> tuple[int, dict[str, int]]:
     """Run one decode step and count the bytes written by tensor ops inside ``cache.update`` (all layers)."""
     counter = _CopyCounter()
     original_update = cache.update

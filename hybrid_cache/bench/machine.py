@@ -209,8 +209,9 @@ class Contention:
 
     def add(self, other: Contention) -> None:
         self.wall_s += other.wall_s
-        self.other_cpu_s = None if (self.other_cpu_s is None or other.other_cpu_s is None) else (
-            self.other_cpu_s + other.other_cpu_s)
+        self.other_cpu_s = (
+            None if (self.other_cpu_s is None or other.other_cpu_s is None) else (self.other_cpu_s + other.other_cpu_s)
+        )
         loads = [x for x in (self.loadavg_max, other.loadavg_max) if x is not None]
         self.loadavg_max = max(loads) if loads else None
 
@@ -287,13 +288,21 @@ def busy_machine_warning(meter: ContentionMeter, contention: Contention) -> str 
         return None
     cores = contention.other_cores
     load = loadavg()
-    used = f"other processes are keeping {cores:.1f} of the {meter.cpus} CPUs busy" if cores is not None else (
-        f"the load average is {load[0]:.1f} on {meter.cpus} CPUs" if load else "the machine is busy")
+    used = (
+        f"other processes are keeping {cores:.1f} of the {meter.cpus} CPUs busy"
+        if cores is not None
+        else (f"the load average is {load[0]:.1f} on {meter.cpus} CPUs" if load else "the machine is busy")
+    )
     free = max(1, meter.spare_cpus + meter.threads - round(cores or 0.0))
-    advice = (f"Re-run on a quiet machine (nothing else running), or pass --threads {free} so that this benchmark's "
-              "threads do not queue behind the other work" if free < meter.threads else
-              "Re-run on a quiet machine (nothing else running)")
-    return (f"WARNING: {used} (load average {load}) while this benchmark runs {meter.threads} torch thread(s) on them: "
-            "its timings would measure that competition, not the caches (on a busy machine a plain run has read "
-            f"ring/dynamic 2.5x where a quiet one reads 0.2-1.0x). {advice}. Rows measured while other work competed "
-            "for the CPUs are marked '!' in the table and \"competing_load\": true in the JSON.")
+    advice = (
+        f"Re-run on a quiet machine (nothing else running), or pass --threads {free} so that this benchmark's "
+        "threads do not queue behind the other work"
+        if free < meter.threads
+        else "Re-run on a quiet machine (nothing else running)"
+    )
+    return (
+        f"WARNING: {used} (load average {load}) while this benchmark runs {meter.threads} torch thread(s) on them: "
+        "its timings would measure that competition, not the caches (on a busy machine a plain run has read "
+        f"ring/dynamic 2.5x where a quiet one reads 0.2-1.0x). {advice}. Rows measured while other work competed "
+        "for the CPUs are marked '!' in the table and \"competing_load\": true in the JSON."
+    )

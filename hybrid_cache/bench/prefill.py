@@ -72,7 +72,9 @@ def _prefill_once(model: Any, cache_name: str, ids: torch.Tensor, chunk: int) ->
         for start in range(0, ids.shape[1], chunk):
             sync(device)
             t0 = time.perf_counter()
-            out = model(input_ids=ids[:, start : start + chunk], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=ids[:, start : start + chunk], **cache_kwargs(cache), use_cache=True, logits_to_keep=1
+            )
             sync(device)
             seconds += time.perf_counter() - t0
             peak = max(peak, kv_bytes_held(cache))  # outside the timed region
@@ -83,10 +85,20 @@ def _prefill_once(model: Any, cache_name: str, ids: torch.Tensor, chunk: int) ->
     return seconds, peak, held, logits
 
 
-def run_prefill_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, contexts: Sequence[int],
-                          chunks: Sequence[int], caches: Sequence[str], reps: int, batch: int = 1,
-                          log: Callable[[str], None] = print, meter: ContentionMeter | None = None,
-                          seed: int = 0) -> list[PrefillResult]:
+def run_prefill_benchmark(
+    model: Any,
+    *,
+    model_name: str,
+    dtype: torch.dtype,
+    contexts: Sequence[int],
+    chunks: Sequence[int],
+    caches: Sequence[str],
+    reps: int,
+    batch: int = 1,
+    log: Callable[[str], None] = print,
+    meter: ContentionMeter | None = None,
+    seed: int = 0,
+) -> list[PrefillResult]:
     """Time a chunked prefill of every context with every chunk size into every cache, reps interleaved across caches.
 
     Args:
@@ -115,7 +127,7 @@ def run_prefill_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, co
             for cache_name in caches:  # untimed warm-up: first calls of each path (allocations, kernels, hooks)
                 _prefill_once(model, cache_name, ids[:, : min(context, 2 * chunk)], chunk)
             for rep in range(reps):
-                for cache_name in caches[rep % len(caches):] + caches[: rep % len(caches)]:  # rotate who goes first
+                for cache_name in caches[rep % len(caches) :] + caches[: rep % len(caches)]:  # rotate who goes first
                     with meter.track(load[cache_name]):
                         seconds, peak, final, last = _prefill_once(model, cache_name, ids, chunk)
                     times[cache_name].append(seconds * 1e3)
@@ -126,24 +138,38 @@ def run_prefill_benchmark(model: Any, *, model_name: str, dtype: torch.dtype, co
                 median = statistics.median(times[cache_name])
                 diff = float((logits[cache_name] - logits[reference]).abs().max())
                 result = PrefillResult(
-                    cache=cache_name, context=context, chunk=chunk, dtype=dtype_name, prefill_ms_median=median,
-                    tokens_per_s=1e3 * batch * context / median, peak_kv_bytes=peaks[cache_name],
-                    prefill_ms_min=min(times[cache_name]), kv_bytes=held[cache_name], batch=batch, model=model_name,
-                    window=getattr(config, "sliding_window", None), reps=reps,
-                    prefill_ms=[round(t, 2) for t in times[cache_name]], max_abs_logit_diff=diff,
-                    other_cpu_cores=load[cache_name].other_cores, loadavg_max=load[cache_name].loadavg_max,
+                    cache=cache_name,
+                    context=context,
+                    chunk=chunk,
+                    dtype=dtype_name,
+                    prefill_ms_median=median,
+                    tokens_per_s=1e3 * batch * context / median,
+                    peak_kv_bytes=peaks[cache_name],
+                    prefill_ms_min=min(times[cache_name]),
+                    kv_bytes=held[cache_name],
+                    batch=batch,
+                    model=model_name,
+                    window=getattr(config, "sliding_window", None),
+                    reps=reps,
+                    prefill_ms=[round(t, 2) for t in times[cache_name]],
+                    max_abs_logit_diff=diff,
+                    other_cpu_cores=load[cache_name].other_cores,
+                    loadavg_max=load[cache_name].loadavg_max,
                     competing_load=meter.competing(load[cache_name]),
                 )
                 results.append(result)
                 busy = "  [!] other work competed for the CPUs" if result.competing_load else ""
-                log(f"  {dtype_name:>8} ctx={context:>6} chunk={chunk:>5} {cache_name:>9}: prefill "
+                log(
+                    f"  {dtype_name:>8} ctx={context:>6} chunk={chunk:>5} {cache_name:>9}: prefill "
                     f"{median / 1e3:8.2f} s (min {result.prefill_ms_min / 1e3:.2f}), {result.tokens_per_s:7.1f} tok/s, "
-                    f"peak KV {result.peak_kv_bytes / 2**20:.1f} MiB, last logits vs {reference} {diff:.1e}{busy}")
+                    f"peak KV {result.peak_kv_bytes / 2**20:.1f} MiB, last logits vs {reference} {diff:.1e}{busy}"
+                )
     return results
 
 
-def prefill_chunk_check(model: Any, *, prompt_length: int = 32768, chunk_size: int = 2048,
-                        max_new_tokens: int = 2) -> dict[str, Any]:
+def prefill_chunk_check(
+    model: Any, *, prompt_length: int = 32768, chunk_size: int = 2048, max_new_tokens: int = 2
+) -> dict[str, Any]:
     """``model.generate`` of a `prompt_length` prompt with ``prefill_chunk_size=chunk_size`` into a HybridRingCache.
 
     Records the longest key tensor returned by a sliding-layer update (it must be <= ring capacity + chunk), the
@@ -162,11 +188,19 @@ def prefill_chunk_check(model: Any, *, prompt_length: int = 32768, chunk_size: i
     rss_before = current_rss_bytes()
     start = time.perf_counter()
     with timer.instrument(model, cache), RssSampler() as sampler, torch.inference_mode():
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **cache_kwargs(cache),
-                                max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                                prefill_chunk_size=chunk_size)
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            **cache_kwargs(cache),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            prefill_chunk_size=chunk_size,
+        )
     elapsed = time.perf_counter() - start
-    sliding_caps = [layer.capacity for layer, kind in zip(cache.layers, cache.layer_kinds) if kind == "sliding_attention"]
+    sliding_caps = [
+        layer.capacity for layer, kind in zip(cache.layers, cache.layer_kinds) if kind == "sliding_attention"
+    ]
     window = getattr(config, "sliding_window", None)
     report = cache.memory_report()
     bound = (max(sliding_caps) if sliding_caps else 0) + chunk_size

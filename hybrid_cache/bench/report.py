@@ -19,8 +19,10 @@ from .prefill import PrefillResult
 __all__ = ["format_compiled_table", "format_memory_table", "format_prefill_table", "format_table", "plot_results"]
 
 BUSY_MARK = "!"
-BUSY_NOTE = (f"{BUSY_MARK} = other processes kept more of this process' CPUs busy than the benchmark leaves free while "
-             "the row was measured\n(JSON competing_load): its timings are not trustworthy; re-run on a quiet machine.")
+BUSY_NOTE = (
+    f"{BUSY_MARK} = other processes kept more of this process' CPUs busy than the benchmark leaves free while "
+    "the row was measured\n(JSON competing_load): its timings are not trustworthy; re-run on a quiet machine."
+)
 
 
 def _ratio(a: float | None, b: float | None, digits: int = 2) -> str:
@@ -31,9 +33,16 @@ def _point_key(k: tuple) -> tuple:
     return tuple(x if x is not None else 0 for x in k)
 
 
-def _comparison_table(rows: dict[tuple, dict[str, Any]], caches: Sequence[str], point_header: str,
-                      point: Callable[[tuple], str], cell_header: Callable[[str], str], cell: Callable[[Any], str],
-                      metric: Callable[[Any], float], ratios: Sequence[tuple[str, str]]) -> str:
+def _comparison_table(
+    rows: dict[tuple, dict[str, Any]],
+    caches: Sequence[str],
+    point_header: str,
+    point: Callable[[tuple], str],
+    cell_header: Callable[[str], str],
+    cell: Callable[[Any], str],
+    metric: Callable[[Any], float],
+    ratios: Sequence[tuple[str, str]],
+) -> str:
     """One line per point: a cell per cache, the ratios of `metric` between pairs of caches, and ``!`` where any of the
     point's rows was measured while other work competed for the CPUs (with a note under the table)."""
     # A column is as wide as its header or its cells, whichever is wider (a long cache name widens its column).
@@ -76,16 +85,23 @@ def format_table(results: Sequence[BenchResult], caches: Sequence[str], full: bo
         if r is None:
             return f"{'-':>22}{'-':>9}{'-':>9}{'-':>9}"
         cache_ms = f"{r.cache_ms_per_step_median:>9.3f}" if r.cache_ms_per_step_median is not None else f"{'-':>9}"
-        return (f"{r.ms_per_token_median:>13.2f} / {r.ms_per_token_min:>6.2f}{cache_ms}"
-                f"{r.kv_bytes / 2**20:>9.1f}{r.copy_bytes_per_step / 2**20:>9.3f}")
+        return (
+            f"{r.ms_per_token_median:>13.2f} / {r.ms_per_token_min:>6.2f}{cache_ms}"
+            f"{r.kv_bytes / 2**20:>9.1f}{r.copy_bytes_per_step / 2**20:>9.3f}"
+        )
 
     return _comparison_table(
-        rows, caches, f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'B':>3}",
+        rows,
+        caches,
+        f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'B':>3}",
         lambda k: f"{k[0]:<8}{k[1] or 0:>5} {k[2]:<9}{k[3]:>6}{k[4]:>3}",
-        (lambda c: f"{c + ' ms/tok med/min':>22}{'cache ms':>9}{'KV MiB':>9}{'copy MiB':>9}") if full
-        else (lambda c: f"{c + ' ms/tok':>11}"), cell if full else compact_cell,
+        (lambda c: f"{c + ' ms/tok med/min':>22}{'cache ms':>9}{'KV MiB':>9}{'copy MiB':>9}")
+        if full
+        else (lambda c: f"{c + ' ms/tok':>11}"),
+        cell if full else compact_cell,
         lambda r: r.ms_per_token_median,
-        (("ring", "static"), ("ring", "dynamic"), *((name, "ring") for name in COMPRESSED_RATIO_CACHES)))
+        (("ring", "static"), ("ring", "dynamic"), *((name, "ring") for name in COMPRESSED_RATIO_CACHES)),
+    )
 
 
 def format_memory_table(results: Sequence[BenchResult], caches: Sequence[str], full: bool = True) -> str:
@@ -118,8 +134,10 @@ def format_memory_table(results: Sequence[BenchResult], caches: Sequence[str], f
             elif not full:
                 line += f" | {r.kv_bytes / 2**20:>{max(11, len(c) + 4)}.1f}"
             else:
-                line += (f" | {r.kv_bytes / 2**20:>12.1f} / {(r.kv_bytes_peak or 0) / 2**20:>7.1f}"
-                         f"{_ratio(r.kv_ratio_to_exact_max, 1.0, 3):>8}")
+                line += (
+                    f" | {r.kv_bytes / 2**20:>12.1f} / {(r.kv_bytes_peak or 0) / 2**20:>7.1f}"
+                    f"{_ratio(r.kv_ratio_to_exact_max, 1.0, 3):>8}"
+                )
         ring, static, dynamic = (by_cache.get(c) for c in ("ring", "static", "dynamic"))
         if has["ring"] and has["static"]:
             line += f" | {_ratio(ring and ring.kv_bytes, static and static.kv_bytes, 3):>11}"
@@ -149,8 +167,11 @@ def format_compiled_table(results: Sequence[BenchResult], full: bool = True) -> 
     caches = [c for c in COMPILEABLE_CACHES if any(c in v for v in compiled_rows.values())]
     header = f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'B':>3} {'masks':<8}"
     for c in caches:
-        header += (f" | {c + ' ms/tok med/min':>22}{'compile s':>10}{'graphs':>7}{'eager=':>7}" if full
-                   else f" | {c + ' ms/tok':>{max(14, len(c) + 7)}}")
+        header += (
+            f" | {c + ' ms/tok med/min':>22}{'compile s':>10}{'graphs':>7}{'eager=':>7}"
+            if full
+            else f" | {c + ' ms/tok':>{max(14, len(c) + 7)}}"
+        )
     header += f" | {'ring/static':>11}"
     for c in caches:
         header += f" | {c + ' c/eager':>14}"
@@ -168,8 +189,10 @@ def format_compiled_table(results: Sequence[BenchResult], full: bool = True) -> 
                 line += f" | {r.ms_per_token_median:>{max(14, len(c) + 7) - 3}.2f}{flag:<3}"
             else:
                 match = {True: "yes", False: "NO", None: "-"}[r.compiled_matches_eager]
-                line += (f" | {r.ms_per_token_median:>13.2f} / {r.ms_per_token_min:>6.2f}{r.compile_seconds or 0:>10.1f}"
-                         f"{r.graphs:>7}{match:>7}")
+                line += (
+                    f" | {r.ms_per_token_median:>13.2f} / {r.ms_per_token_min:>6.2f}{r.compile_seconds or 0:>10.1f}"
+                    f"{r.graphs:>7}{match:>7}"
+                )
         ring, static = by_cache.get("ring"), by_cache.get("static")
         line += f" | {_ratio(ring and ring.ms_per_token_median, static and static.ms_per_token_median):>11}"
         for c in caches:
@@ -196,11 +219,15 @@ def format_prefill_table(results: Sequence[PrefillResult], caches: Sequence[str]
         return f"{'-':>11}" if r is None else f"{r.prefill_ms_median / 1e3:>11.2f}"
 
     return _comparison_table(
-        rows, caches, f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'chunk':>6}",
+        rows,
+        caches,
+        f"{'model':<8}{'win':>5} {'dtype':<9}{'ctx':>6}{'chunk':>6}",
         lambda k: f"{k[0]:<8}{k[1] or 0:>5} {k[2]:<9}{k[3]:>6}{k[4]:>6}",
         (lambda c: f"{c + ' s med/min':>19}{'peak KV MiB':>12}") if full else (lambda c: f"{c + ' s':>11}"),
         cell if full else compact_cell,
-        lambda r: r.prefill_ms_median, (("ring", "dynamic"), ("ring", "static")))
+        lambda r: r.prefill_ms_median,
+        (("ring", "dynamic"), ("ring", "static")),
+    )
 
 
 def plot_results(results: Sequence[BenchResult], path: str) -> None:
@@ -216,17 +243,29 @@ def plot_results(results: Sequence[BenchResult], path: str) -> None:
     rows = (len(panels) + cols - 1) // cols or 1
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
-        series = sorted({(r.cache, r.compiled, r.compile_mask) for r in results},
-                        key=lambda k: (names.index(k[0]) if k[0] in names else 99, k[1], k[2] or ""))
+        series = sorted(
+            {(r.cache, r.compiled, r.compile_mask) for r in results},
+            key=lambda k: (names.index(k[0]) if k[0] in names else 99, k[1], k[2] or ""),
+        )
         many_masks = len({r.compile_mask for r in results if r.compiled}) > 1
         for cache, compiled, mask in series:
-            points = sorted((r.context, r.ms_per_token_median) for r in results
-                            if (r.model, r.window, r.dtype, r.batch) == panel and r.cache == cache
-                            and r.compiled == compiled and r.compile_mask == mask)
+            points = sorted(
+                (r.context, r.ms_per_token_median)
+                for r in results
+                if (r.model, r.window, r.dtype, r.batch) == panel
+                and r.cache == cache
+                and r.compiled == compiled
+                and r.compile_mask == mask
+            )
             label = cache + ((" compiled" + (f" ({mask})" if many_masks else "")) if compiled else "")
             if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
-                        linestyle="--" if compiled else "-")
+                ax.plot(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    marker="o",
+                    label=label,
+                    linestyle="--" if compiled else "-",
+                )
         model, window, dtype, batch = panel
         ax.set_title(f"{model} (window {window}) {dtype} B={batch}", fontsize=9)
         ax.set_xscale("log", base=2)
@@ -234,7 +273,7 @@ def plot_results(results: Sequence[BenchResult], path: str) -> None:
         ax.set_ylabel("ms / decode step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

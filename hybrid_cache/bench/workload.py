@@ -26,8 +26,14 @@ __all__ = [
     "synthesize_prefill",
 ]
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,16 @@ TINY_MODELS: dict[str, TinyGeometry] = {
 }
 
 
-def build_tiny_model(window: int = 512, dtype: torch.dtype = torch.float32, layers: int = 6, hidden: int = 64,
-                     head_dim: int = 256, seed: int = 0, query_heads: int = 4, kv_heads: int = 1) -> Any:
+def build_tiny_model(
+    window: int = 512,
+    dtype: torch.dtype = torch.float32,
+    layers: int = 6,
+    hidden: int = 64,
+    head_dim: int = 256,
+    seed: int = 0,
+    query_heads: int = 4,
+    kv_heads: int = 1,
+) -> Any:
     """A small random Gemma 3 text model that isolates cache overhead.
 
     The defaults give Gemma 3 270M's K/V geometry per layer (1 KV head of ``head_dim`` 256, 4 query heads, 5 sliding :
@@ -68,9 +82,19 @@ def build_tiny_model(window: int = 512, dtype: torch.dtype = torch.float32, laye
 
     torch.manual_seed(seed)
     config = Gemma3TextConfig(
-        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=query_heads, num_key_value_heads=kv_heads, head_dim=head_dim, sliding_window=window,
-        max_position_embeddings=1 << 17, attn_implementation=CODE_ATTENTION, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=query_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        sliding_window=window,
+        max_position_embeddings=1 << 17,
+        attn_implementation=CODE_ATTENTION,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
     )
     return Gemma3ForCausalLM(config).eval().to(dtype)
 
@@ -84,8 +108,14 @@ def load_bench_model(name: str, dtype: torch.dtype, window: int | None = None, d
     the ``ring-int*-deq`` caches keep dequantizing)."""
     if name in TINY_MODELS:
         g = TINY_MODELS[name]
-        return build_tiny_model(window=window or g.window, dtype=dtype, layers=g.layers, head_dim=g.head_dim,
-                                query_heads=g.query_heads, kv_heads=g.kv_heads).to(device)
+        return build_tiny_model(
+            window=window or g.window,
+            dtype=dtype,
+            layers=g.layers,
+            head_dim=g.head_dim,
+            query_heads=g.query_heads,
+            kv_heads=g.kv_heads,
+        ).to(device)
     from hybrid_cache.models import load_model  # lazy: only the real-model path needs it
 
     model, _ = load_model(None if name in ("default", "") else name, dtype=dtype, attn_implementation=CODE_ATTENTION)
@@ -124,8 +154,9 @@ def synthesize_prefill(cache: Any, source: PrefillSource) -> None:
             cache.update(keys, values, layer_idx)
 
 
-def step_inputs(batch: int, position: int, vocab: int, generator: torch.Generator,
-                device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def step_inputs(
+    batch: int, position: int, vocab: int, generator: torch.Generator, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
     """Inputs of one decode step: random token ids `[batch, 1]` at `position` (explicit ``position_ids``)."""
     ids = torch.randint(3, vocab, (batch, 1), generator=generator)
     positions = torch.full((batch, 1), position, dtype=torch.long)

@@ -73,8 +73,11 @@ def _early_initialized(model: Any, scenario: Scenario) -> HybridRingCache:
     tp_size, _ = parallel_sizes(model.config)
     first = model.config.get_text_config(decoder=True).per_layer_config[0]
     cache.early_initialization(
-        batch_size=len(scenario.lengths), num_heads=first.num_key_value_heads // tp_size, head_dim=first.head_dim,
-        dtype=model.dtype, device=model.device,
+        batch_size=len(scenario.lengths),
+        num_heads=first.num_key_value_heads // tp_size,
+        head_dim=first.head_dim,
+        dtype=model.dtype,
+        device=model.device,
     )
     return cache
 
@@ -127,7 +130,11 @@ def run(model: Any, scenario_name: str, cache_name: str) -> dict[str, Any]:
         input_ids = torch.cat([sequences, user], dim=1)
         mask = torch.cat([inputs["attention_mask"], torch.ones_like(input_ids[:, inputs["input_ids"].shape[1] :])], 1)
         out = model.generate(
-            input_ids=input_ids, attention_mask=mask, **cache_kwargs(cache), output_logits=True, return_dict_in_generate=True,
+            input_ids=input_ids,
+            attention_mask=mask,
+            **cache_kwargs(cache),
+            output_logits=True,
+            return_dict_in_generate=True,
             **options,
         )
         sequences, logits = out.sequences, logits + list(out.logits)
@@ -136,8 +143,14 @@ def run(model: Any, scenario_name: str, cache_name: str) -> dict[str, Any]:
         "sequences": sequences,
         "logits": torch.stack(logits),
         "batch": inputs["input_ids"].shape[0],
-        "cache_batch": next((layer.keys.shape[0] for layer in cache.layers if getattr(layer, "keys", None) is not None
-                             and layer.keys.numel()), None),
+        "cache_batch": next(
+            (
+                layer.keys.shape[0]
+                for layer in cache.layers
+                if getattr(layer, "keys", None) is not None and layer.keys.numel()
+            ),
+            None,
+        ),
         "prompt": inputs["input_ids"].shape[1],
         "tokens": cache.get_seq_length(),
         "kv_bytes": None if report is None else report.kv_bytes,
@@ -150,14 +163,30 @@ def run(model: Any, scenario_name: str, cache_name: str) -> dict[str, Any]:
 # What each parallel layout runs: (scenario, cache) pairs.
 RUNS = {
     "tp": [
-        ("greedy", "ring"), ("greedy", "ring_fixed"), ("padded", "ring"), ("padded", "ring_fixed"),
-        ("padded", "ring_early_init"), ("padded", "dynamic"), ("sampling", "ring"), ("beam", "ring"),
-        ("chunked_prefill", "ring"), ("second_turn", "ring"),
+        ("greedy", "ring"),
+        ("greedy", "ring_fixed"),
+        ("padded", "ring"),
+        ("padded", "ring_fixed"),
+        ("padded", "ring_early_init"),
+        ("padded", "dynamic"),
+        ("sampling", "ring"),
+        ("beam", "ring"),
+        ("chunked_prefill", "ring"),
+        ("second_turn", "ring"),
     ],
     "pp": [
-        ("greedy", "ring"), ("greedy", "ring_told"), ("padded", "ring"), ("padded", "ring_fixed"),
-        ("padded", "ring_told"), ("padded", "dynamic"), ("padded", "dynamic_stage"), ("sampling", "ring"),
-        ("beam", "ring"), ("chunked_prefill", "ring"), ("second_turn", "ring"), ("second_turn", "dynamic_stage"),
+        ("greedy", "ring"),
+        ("greedy", "ring_told"),
+        ("padded", "ring"),
+        ("padded", "ring_fixed"),
+        ("padded", "ring_told"),
+        ("padded", "dynamic"),
+        ("padded", "dynamic_stage"),
+        ("sampling", "ring"),
+        ("beam", "ring"),
+        ("chunked_prefill", "ring"),
+        ("second_turn", "ring"),
+        ("second_turn", "dynamic_stage"),
     ],
 }
 RUNS["tp_pp"] = RUNS["pp"]
