@@ -32,7 +32,7 @@ def prompt(length: int, seed: int, rows: int = 1) -> torch.Tensor:
 
 def snapshot(cache: HybridRingCache) -> list[tuple[int, torch.Tensor | None]]:
     return [
-        (layer.get_seq_length(), layer.keys.clone() if getattr(layer, "is_initialized", False) else None)
+        (layer.get_seq_length(), layer.keys.clone() if getattr(layer, "keys", None) is not None else None)
         for layer in cache.layers
         if hasattr(layer, "get_seq_length")
     ]
@@ -85,7 +85,7 @@ def test_a_mask_shorter_than_the_cache_is_refused(model_name, one_thread):
 @pytest.mark.parametrize("model_name", sorted(MODEL_BUILDERS))
 def test_continuations_still_work(model_name, one_thread):
     """The whole conversation (cached tokens then new ones, padded or not), and `reset()` then a new prompt, give
-    `DynamicCache`'s tokens, also right after a refused call."""
+    `DynamicCache`'s tokens (a new `DynamicCache` for the new prompt), also right after a refused call."""
     model = MODEL_BUILDERS[model_name](window=4)
     first, follow = prompt(9, 0, rows=2), prompt(3, 1, rows=2)
     mask = torch.ones(2, 9, dtype=torch.long)
@@ -101,7 +101,10 @@ def test_continuations_still_work(model_name, one_thread):
             ids = torch.cat([turn, follow], 1)
             full_mask = torch.cat([mask, torch.ones(2, ids.shape[1] - 9, dtype=torch.long)], 1)
             second = model.generate(input_ids=ids, attention_mask=full_mask, **cache_kwargs(cache), **GENERATE)
-            cache.reset()
+            if name == "ring":
+                cache.reset()
+            else:  # a new one: DynamicCache.reset() is not clean on every release of the range (5.5.0)
+                cache = DynamicCache(config=model.config)
             fresh = model.generate(input_ids=follow, **cache_kwargs(cache), **GENERATE)
             results[name] = (second, fresh)
     assert all(torch.equal(a, b) for a, b in zip(results["ring"], results["dynamic"]))
