@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 import sysconfig
 from importlib import metadata
@@ -42,6 +43,15 @@ def _requirement_class():
     return Requirement
 
 
+def checkout_version(project: dict) -> str:
+    """The checkout's version: `project.version`, or the `__version__` that setuptools reads when it is dynamic."""
+    if "version" in project:
+        return project["version"]
+    text = (ROOT / "hybrid_cache" / "__init__.py").read_text()
+    match = re.search(r'^__version__ = "([^"]+)"', text, re.M)
+    return match.group(1) if match else "unknown"
+
+
 def missing() -> str | None:
     """Why the install is incomplete, or None when it is complete."""
     try:
@@ -56,8 +66,9 @@ def missing() -> str | None:
     direct = json.loads(dist.read_text("direct_url.json") or "{}")
     if direct.get("url") != ROOT.as_uri() or not direct.get("dir_info", {}).get("editable"):
         return f"{project['name']} is not installed editable from {ROOT}"
-    if dist.version != project["version"]:
-        return f"{project['name']} {dist.version} is installed, the checkout is {project['version']}"
+    version = checkout_version(project)
+    if dist.version != version:
+        return f"{project['name']} {dist.version} is installed, the checkout is {version}"
     scripts = {ep.name for ep in dist.entry_points if ep.group == "console_scripts"}
     if scripts != set(project.get("scripts", {})):
         return "the console scripts changed"
