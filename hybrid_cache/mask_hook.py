@@ -265,24 +265,49 @@ def _check_window(
 
 
 def _check_held_from(kv_offset: HeldFromOffset, batch_size, q_length, q_offset, mask_function, attention_mask, kwargs):
-    """`_check_window` for a time-ordered multi-token step of a ring that no longer holds positions before
-    `kv_offset` (skipped while compiling: eager steps were checked)."""
+    """`_check_window` for a time-ordered multi-token step of a ring that returns no position before `kv_offset`
+    (skipped while compiling: eager steps were checked)."""
     if is_torchdynamo_compiling():
         return
     device = kwargs.get("device", "cpu")
     padding_mask = None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
-    _check_window(
+    _check_window_of_request(
         int(kv_offset),
         f"positions {int(kv_offset)} and later",
+        kv_offset.sliding_request,
         batch_size,
         q_length,
         q_offset,
         mask_function,
         padding_mask,
-        device,
+        kwargs,
+    )
+
+
+def _check_window_of_request(
+    oldest: int,
+    held_text: str,
+    sliding_request: bool | None,
+    batch_size: int,
+    q_length: int,
+    q_offset: int,
+    mask_function: Callable,
+    padding_mask: torch.Tensor | None,
+    kwargs: dict,
+) -> None:
+    """`_check_window` with the mask request's own keyword arguments (device, vmap, window size, config)."""
+    _check_window(
+        oldest,
+        held_text,
+        batch_size,
+        q_length,
+        q_offset,
+        mask_function,
+        padding_mask,
+        kwargs.get("device", "cpu"),
         kwargs.get("use_vmap", False),
         kwargs.get("local_size"),
-        kv_offset.sliding_request,
+        sliding_request,
         kwargs.get("config"),
     )
 
@@ -348,19 +373,16 @@ def _make_ring_aware(original: Callable) -> Callable:
         if not is_torchdynamo_compiling():
             held = kv_offset.positions[kv_offset.positions >= 0]
             if held.numel():
-                _check_window(
+                _check_window_of_request(
                     int(held.min()),
                     f"positions {int(held.min())}..{int(held.max())} ({held.numel()} slots)",
+                    kv_offset.sliding_request,
                     batch_size,
                     q_length,
                     q_offset,
                     mask_function,
                     padding_mask,
-                    device,
-                    kwargs.get("use_vmap", False),
-                    kwargs.get("local_size"),
-                    kv_offset.sliding_request,
-                    kwargs.get("config"),
+                    kwargs,
                 )
             kv_offset.served = True
         # The ring's slots are not in time order, so `is_causal`-style skips never apply: always materialize.
