@@ -392,6 +392,10 @@ class HybridRingCache(Cache):
                 f"pass a new `HybridRingCache(model.config)` or call `cache.reset()` first."
             )
         kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
+        if query_length == 1 and not isinstance(kv_offset, RingLayout) and self._wants_dense_mask(layer_idx):
+            if not is_mask_hook_installed(getattr(self.config, "_attn_implementation", None) or "sdpa"):
+                install_mask_hook()  # only a performance request, but it needs the hook to be honoured
+            kv_offset = DenseMaskRequest(kv_offset)
         if not is_torchdynamo_compiling():
             if not isinstance(kv_offset, (RingLayout, CacheOffset)):
                 kv_offset = CacheOffset(kv_offset)
@@ -404,12 +408,6 @@ class HybridRingCache(Cache):
                 if isinstance(self.layers[layer_idx], SinkWindowFullLayer)
                 else (True if FULL in self.layer_kinds else None)
             )
-        if query_length == 1 and not isinstance(kv_offset, RingLayout) and self._wants_dense_mask(layer_idx):
-            if not is_mask_hook_installed(getattr(self.config, "_attn_implementation", None) or "sdpa"):
-                install_mask_hook()  # only a performance request, but it needs the hook to be honoured
-            dense = DenseMaskRequest(kv_offset)
-            dense.columns_needed = getattr(kv_offset, "columns_needed", None)
-            return kv_length, dense
         if isinstance(kv_offset, RingLayout) and not is_torchdynamo_compiling():
             # Only a wrapped ring needs the hook: check now that it will be the one serving this mask.
             check_ring_attention_supported(getattr(self.config, "_attn_implementation", None))

@@ -509,8 +509,8 @@ class RingSlidingLayer(_UndoableStepLayer):
         query sees (fewer at the start), exactly what transformers' own sliding layer returns. Gemma 4's drafter reads
         these returned keys by index (`[:current_length]`), so returning more (a rollback margin, the whole ring)
         would show it other keys than with `DynamicCache`. One-token steps return every slot written so far."""
-        if query_length == 1:
-            return 0 if self._step_kind(1) == "ordered" else self._oldest
+        if query_length == 1:  # asked only before the wrap (in time order); a wrapped ring returns the ring itself
+            return 0
         return max(self._oldest, self.cumulative_length - (self.sliding_window - 1))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:

@@ -197,16 +197,13 @@ def _ring_mask_function(
 def _check_window(
     oldest_held: int,
     held_text: str,
+    sliding_request: bool | None,
     batch_size: int,
     q_length: int,
     q_offset: int,
     mask_function: Callable,
     padding_mask: torch.Tensor | None,
-    device: torch.device | str,
-    use_vmap: bool,
-    local_size: int | None,
-    sliding_request: bool | None,
-    config=None,
+    request: dict,
 ) -> None:
     """Refuse a sliding mask that lets a real query see a key older than the ring's oldest held position.
 
@@ -226,11 +223,13 @@ def _check_window(
 
     What is evaluated is the model's own `mask_function`, overlays included (an overlay reaching further back than
     the ring, e.g. a bidirectional block longer than the window, must be refused too), with transformers' own
-    `sdpa_mask` on single key columns.
+    `sdpa_mask` on single key columns. `request`: the mask call's other keyword arguments (`device`, `use_vmap`,
+    `local_size`, `config`).
     """
     if oldest_held <= 0 or sliding_request is False:
         return
     missing = oldest_held - 1
+    device, local_size = request.get("device", "cpu"), request.get("local_size")
 
     def visible(position: int, padding: torch.Tensor | None) -> torch.Tensor:  # [batch, q]
         return sdpa_mask(
@@ -242,7 +241,7 @@ def _check_window(
             mask_function=mask_function,
             attention_mask=padding,
             allow_is_causal_skip=False,
-            use_vmap=use_vmap,
+            use_vmap=request.get("use_vmap", False),
             device=device,
         )[:, 0, :, 0]
 
@@ -254,7 +253,7 @@ def _check_window(
     if sliding_request is None and local_size is None and bool(violation.any()):
         violation = violation & ~visible(0, None)  # full-attention masks are not a ring's
     if bool(violation.any()):
-        model_window = local_size if local_size is not None else getattr(config, "sliding_window", None)
+        model_window = local_size if local_size is not None else getattr(request.get("config"), "sliding_window", None)
         raise WindowMismatchError(
             f"The model's attention mask lets a query see the key at position {missing}, but HybridRingCache's "
             f"sliding-window ring holds only {held_text}: the model attends further back than the window the cache "
@@ -271,7 +270,7 @@ def _check_held_from(kv_offset: HeldFromOffset, batch_size, q_length, q_offset, 
         return
     device = kwargs.get("device", "cpu")
     padding_mask = None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
-    _check_window_of_request(
+    _check_window(
         int(kv_offset),
         f"positions {int(kv_offset)} and later",
         kv_offset.sliding_request,
@@ -281,34 +280,6 @@ def _check_held_from(kv_offset: HeldFromOffset, batch_size, q_length, q_offset, 
         mask_function,
         padding_mask,
         kwargs,
-    )
-
-
-def _check_window_of_request(
-    oldest: int,
-    held_text: str,
-    sliding_request: bool | None,
-    batch_size: int,
-    q_length: int,
-    q_offset: int,
-    mask_function: Callable,
-    padding_mask: torch.Tensor | None,
-    kwargs: dict,
-) -> None:
-    """`_check_window` with the mask request's own keyword arguments (device, vmap, window size, config)."""
-    _check_window(
-        oldest,
-        held_text,
-        batch_size,
-        q_length,
-        q_offset,
-        mask_function,
-        padding_mask,
-        kwargs.get("device", "cpu"),
-        kwargs.get("use_vmap", False),
-        kwargs.get("local_size"),
-        sliding_request,
-        kwargs.get("config"),
     )
 
 
@@ -327,6 +298,19 @@ def _check_mask_covers_cache(kv_offset: CacheOffset | RingLayout, attention_mask
         )
 
 
+def _checked_offset(
+    kv_offset, batch_size, q_length, q_offset, mask_function, attention_mask, kwargs
+) -> int | RingLayout | object:
+    """The checks every offset from `HybridRingCache` gets before a mask is built (the 2D mask covers the cache, the
+    model's window fits what a multi-token step returns); a `CacheOffset` comes back as the plain integer, anything
+    else unchanged. The window check needs the call's sizes: skipped when they were passed positionally (None)."""
+    if isinstance(kv_offset, (CacheOffset, RingLayout)):
+        _check_mask_covers_cache(kv_offset, attention_mask)
+    if isinstance(kv_offset, HeldFromOffset) and batch_size is not None and q_length is not None:
+        _check_held_from(kv_offset, batch_size, q_length, q_offset, mask_function, attention_mask, kwargs)
+    return int(kv_offset) if isinstance(kv_offset, CacheOffset) else kv_offset
+
+
 def _make_ring_aware(original: Callable) -> Callable:
     """Wrap a mask function (`sdpa_mask` / `eager_mask` / `flex_attention_mask`) so it understands `RingLayout`."""
 
@@ -340,14 +324,9 @@ def _make_ring_aware(original: Callable) -> Callable:
         attention_mask: torch.Tensor | None = None,
         **kwargs,
     ):
-        if isinstance(kv_offset, (CacheOffset, RingLayout)):
-            _check_mask_covers_cache(kv_offset, attention_mask)
         if isinstance(kv_offset, DenseMaskRequest):
             kwargs["allow_is_causal_skip"] = False
-        elif isinstance(kv_offset, HeldFromOffset):
-            _check_held_from(kv_offset, batch_size, q_length, q_offset, mask_function, attention_mask, kwargs)
-        if isinstance(kv_offset, CacheOffset):
-            kv_offset = int(kv_offset)
+        kv_offset = _checked_offset(kv_offset, batch_size, q_length, q_offset, mask_function, attention_mask, kwargs)
         if not isinstance(kv_offset, RingLayout):
             # Exact pass-through: every other cache (and ring layers in time order) is untouched.
             return original(
@@ -373,7 +352,7 @@ def _make_ring_aware(original: Callable) -> Callable:
         if not is_torchdynamo_compiling():
             held = kv_offset.positions[kv_offset.positions >= 0]
             if held.numel():
-                _check_window_of_request(
+                _check_window(
                     int(held.min()),
                     f"positions {int(held.min())}..{int(held.max())} ({held.numel()} slots)",
                     kv_offset.sliding_request,
@@ -410,20 +389,16 @@ def _make_guard(original: Callable, name: str) -> Callable:
 
     def guarded_mask(*args, **kwargs):
         kv_offset = kwargs.get("kv_offset")
-        if isinstance(kv_offset, (CacheOffset, RingLayout)):
-            _check_mask_covers_cache(kv_offset, kwargs.get("attention_mask"))
-        if isinstance(kv_offset, HeldFromOffset) and "batch_size" in kwargs and "q_length" in kwargs:
-            _check_held_from(
+        if "kv_offset" in kwargs:
+            kwargs["kv_offset"] = _checked_offset(
                 kv_offset,
-                kwargs["batch_size"],
-                kwargs["q_length"],
+                kwargs.get("batch_size"),
+                kwargs.get("q_length"),
                 kwargs.get("q_offset", 0),
                 kwargs.get("mask_function", causal_mask_function),
                 kwargs.get("attention_mask"),
                 kwargs,
             )
-        if isinstance(kv_offset, CacheOffset):
-            kwargs["kv_offset"] = int(kv_offset)
         if isinstance(kv_offset, RingLayout):
             raise UnsupportedAttentionError(
                 f"attn_implementation={name!r} cannot attend over HybridRingCache's wrapped ring buffers (its mask "
