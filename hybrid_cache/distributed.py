@@ -20,9 +20,11 @@ from typing import Any
 
 from transformers.cache_utils import Cache
 
-from .compat import DummyLayer, kv_sharing_modes
+from .compat import DummyLayer
+from .specs import check_stage_layers
 
 __all__ = [
+    "check_parallel_config",
     "check_stage_layers",
     "parallel_sizes",
     "pipeline_layer_range",
@@ -38,6 +40,19 @@ def parallel_sizes(config: Any) -> tuple[int, int]:
     if isinstance(distributed, dict):
         return int(distributed.get("tp_size") or 1), int(distributed.get("pp_size") or 1)
     return int(getattr(distributed, "tp_size", None) or 1), int(getattr(distributed, "pp_size", None) or 1)
+
+
+def check_parallel_config(config: Any, stage_layers: Iterable[int] | None) -> int:
+    """The tensor-parallel degree of the model `config` belongs to; raises when it is pipeline parallel and the
+    stage's layers are not given (a cache must know which layers this process runs)."""
+    tp_size, pp_size = parallel_sizes(config)
+    if stage_layers is None and pp_size > 1:
+        raise ValueError(
+            f"This config belongs to a model loaded with pipeline parallelism (pp_size={pp_size}): this process "
+            f"runs only some of its layers. Build the cache with `HybridRingCache.for_model(model)` (or pass "
+            f"`stage_layers=hybrid_cache.stage_layers(model)`)."
+        )
+    return tp_size
 
 
 def pipeline_layer_range(stage: int, num_stages: int, num_layers: int) -> range:
@@ -79,37 +94,6 @@ def stage_layers(model: Any) -> list[int] | None:
             f"stage's layers from; pass `stage_layers=` explicitly."
         )
     return [index for index, layer in enumerate(layers) if not isinstance(layer, PipelineIdentityLayer)]
-
-
-def check_stage_layers(text_config: Any, layers: Iterable[int]) -> list[int]:
-    """Validate the layers a pipeline stage holds; return them sorted.
-
-    Refuses what no cache of one stage can serve: no layer at all, unknown indices, and a KV-shared layer (Gemma 4
-    `kv_sharing_modes == "reuse"`) whose producer layer runs on another stage (transformers hands shared K/V from
-    layer to layer inside one forward of one process; they never cross stages).
-    """
-    num_layers = text_config.num_hidden_layers
-    held = sorted(set(int(index) for index in layers))
-    if not held:
-        raise ValueError(
-            f"This pipeline stage holds no decoder layer (the model has {num_layers}); use a pp_size of at most "
-            f"{num_layers}."
-        )
-    if held[0] < 0 or held[-1] >= num_layers:
-        raise ValueError(f"stage_layers={held} is outside the model's {num_layers} layers (0..{num_layers - 1}).")
-    modes = kv_sharing_modes(text_config) or [None] * num_layers
-    layer_types = getattr(text_config, "layer_types", None) or [None] * num_layers
-    producers = {layer_types[index]: index for index, mode in enumerate(modes) if mode == "store"}
-    for index in held:
-        producer = producers.get(layer_types[index])
-        if modes[index] == "reuse" and producer is not None and producer not in held:
-            raise ValueError(
-                f"Layer {index} reuses the keys/values of layer {producer} (KV sharing), but this pipeline stage "
-                f"holds layers {held[0]}..{held[-1]} and layer {producer} runs on another stage: transformers passes "
-                f"shared K/V only within one process. Use tensor parallelism for this model, or a pipeline split that "
-                f"keeps layers {producer}..{num_layers - 1} on one stage."
-            )
-    return held
 
 
 def restrict_to_stage(cache: Cache, layers: Iterable[int]) -> Cache:
