@@ -61,7 +61,7 @@ __all__ = [
     "stage_layers",
     "use_code_attention",
 ]
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402, F401
 
 #: The folder of the `evaluate` metric module "ring_perplexity": `evaluate.load(hybrid_cache.RING_PERPLEXITY_METRIC)`.
 RING_PERPLEXITY_METRIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics", "ring_perplexity")
