@@ -48,13 +48,13 @@ import torch
 from transformers.utils import is_torchdynamo_compiling
 
 from .code_attention import CODE_ATTENTION_MODES, MAX_CODE_QUERY_LENGTH, CompressedHistory, CompressedKV
-from .layers import (
+from .storage import (
     GROWTH_FACTOR,
-    _mark_static,
-    _StorageLayer,
-    _tensor_counter,
+    StorageLayer,
     grown_capacity,
+    mark_static,
     prepare_fixed_capacity_step,
+    tensor_counter,
 )
 
 __all__ = [
@@ -281,7 +281,7 @@ class DequantWorkspace:
             buffer = torch.zeros(size, dtype=dtype, device=device)
             self._buffers[key] = buffer
             if exact:
-                _mark_static(buffer)
+                mark_static(buffer)
         return buffer[:numel].view(shape)
 
     def nbytes(self) -> int:
@@ -291,7 +291,7 @@ class DequantWorkspace:
         self._buffers.clear()
 
 
-class QuantizedFullLayer(_StorageLayer):
+class QuantizedFullLayer(StorageLayer):
     """A full-attention layer storing keys and values compressed (int8 / int4 / fp8, per-token group scales).
 
     Growth and returned layout are those of `GrowableFullLayer`: time-ordered, the standard causal mask applies;
@@ -435,7 +435,7 @@ class QuantizedFullLayer(_StorageLayer):
             self._codes[role][:, :, start:end].copy_(codes)
             self._scales[role][:, :, start:end].copy_(scales)
 
-    def _returned(self, role: str, length: int, states: torch.Tensor) -> torch.Tensor:
+    def _attention_input(self, role: str, length: int, states: torch.Tensor) -> torch.Tensor:
         """Dequantized `[0, length)` followed by this step's `states`, exact, in the workspace."""
         total = length + states.shape[-2]
         head_dim = states.shape[-1]
@@ -473,8 +473,8 @@ class QuantizedFullLayer(_StorageLayer):
             self._write(key_states, value_states, start)
             self.cumulative_length = start + key_states.shape[-2]
             return CompressedKV(history, "keys"), CompressedKV(history, "values")
-        keys = self._returned("keys", start, key_states)
-        values = self._returned("values", start, value_states)
+        keys = self._attention_input("keys", start, key_states)
+        values = self._attention_input("values", start, value_states)
         self._write(key_states, value_states, start)
         self.cumulative_length = start + key_states.shape[-2]
         return keys, values
@@ -524,7 +524,7 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
     """
 
     is_compileable = True
-    cumulative_length = _tensor_counter("length_tensor")
+    cumulative_length = tensor_counter("length_tensor")
 
     def __init__(
         self,
@@ -544,7 +544,7 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._allocate(key_states, value_states, self.max_cache_len)
         self.length_tensor = self.length_tensor.to(self.device)
-        _mark_static(*self.storage_tensors(), self.length_tensor)
+        mark_static(*self.storage_tensors(), self.length_tensor)
         for role, states in (("keys", key_states), ("values", value_states)):
             shape = (self.batch_size, self.num_heads, self.max_cache_len, states.shape[-1])
             self.workspace.view(role, shape, self.dtype, self.device, exact=True)

@@ -25,13 +25,14 @@ from typing import NamedTuple
 
 import torch
 
-from .layers import RollbackError, _resolve_crop_length, _UndoableStepLayer
+from .errors import RollbackError
 from .mask_hook import RingLayout
+from .storage import UndoableStepLayer, resolve_crop_length
 
 __all__ = ["SinkWindowFullLayer"]
 
 
-class _StepUndo(NamedTuple):
+class SinkWindowStepUndo(NamedTuple):
     length: int
     oldest: int
     held_keys: torch.Tensor | None  # the slots before the step (None: nothing was held)
@@ -40,7 +41,7 @@ class _StepUndo(NamedTuple):
     new_values: torch.Tensor
 
 
-class SinkWindowFullLayer(_UndoableStepLayer):
+class SinkWindowFullLayer(UndoableStepLayer):
     """A full-attention layer bounded to `sink_tokens` + `window` tokens (approximate; see the module docstring).
 
     Args:
@@ -65,7 +66,7 @@ class SinkWindowFullLayer(_UndoableStepLayer):
         self.sink_tokens, self.window, self.rollback_margin = int(sink_tokens), int(window), int(rollback_margin)
         self._oldest = 0  # lowest position >= sink_tokens still held by the ring part
         self.record_past = False
-        self._undo: _StepUndo | None = None
+        self._undo: SinkWindowStepUndo | None = None
 
     @property
     def ring_slots(self) -> int:
@@ -153,7 +154,7 @@ class SinkWindowFullLayer(_UndoableStepLayer):
             held_keys, held_values = returned_keys[:, :, : self.max_slots], returned_values[:, :, : self.max_slots]
         if self.record_past:
             # Speculative step (a prompt plus candidates, or candidates): keep what `crop` needs to undo it.
-            self._undo = _StepUndo(length, self._oldest, held_keys, held_values, key_states, value_states)
+            self._undo = SinkWindowStepUndo(length, self._oldest, held_keys, held_values, key_states, value_states)
         self._write_newest(key_states, value_states)
         return returned_keys, returned_values
 
@@ -182,7 +183,7 @@ class SinkWindowFullLayer(_UndoableStepLayer):
     def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
         """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise `RollbackError` changing
         nothing: exact when the window the next query sees is still held, or from the last recorded step."""
-        new_length = _resolve_crop_length(tokens_to_remove, self.cumulative_length)
+        new_length = resolve_crop_length(tokens_to_remove, self.cumulative_length)
         if self._oldest <= max(self.sink_tokens, new_length - self.window + 1):
             return new_length, False
         if self._undo is not None and self._undo.length <= new_length:
@@ -194,7 +195,7 @@ class SinkWindowFullLayer(_UndoableStepLayer):
             f"`cache.activate_past_recording()` before the speculative step."
         )
 
-    def _undo_step(self, undo: _StepUndo, new_length: int) -> None:
+    def _undo_step(self, undo: SinkWindowStepUndo, new_length: int) -> None:
         if undo.held_keys is not None:
             self.keys.copy_(undo.held_keys)
             self.values.copy_(undo.held_values)

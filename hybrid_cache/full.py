@@ -1,0 +1,162 @@
+"""Exact full-attention storage: an append-only buffer that grows by `GROWTH_FACTOR` (`GrowableFullLayer`) and a
+preallocated, compileable buffer of `max_cache_len` slots (`StaticFullLayer`). Both are time-ordered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers.utils import is_torchdynamo_compiling
+
+from .storage import (
+    NOTHING_WRITTEN,
+    StorageLayer,
+    capacity_after_decoding,
+    mark_static,
+    prepare_fixed_capacity_step,
+    refuse_static_autograd,
+    tensor_counter,
+)
+
+__all__ = ["GrowableFullLayer", "StaticFullLayer"]
+
+
+class GrowableFullLayer(StorageLayer):
+    """A full-attention layer: an append-only buffer that grows geometrically (amortized O(1) per token).
+
+    Returns a time-ordered view `[:, :, :length]`, so transformers' standard causal mask applies unchanged.
+    Unlike `DynamicLayer`, a decode step copies only the new token: the history is copied only when the buffer
+    grows by `GROWTH_FACTOR` (on average at most ~64 copies of each token over a whole generation, instead of
+    `length / 2` for a per-step `torch.cat`).
+
+    Args:
+        initial_capacity (`int`, defaults to 0): slots allocated at the first update (or the prompt length if larger).
+            With the default, a layer holds at most `floor(tokens x 65 / 64)` slots (1.6% above its tokens).
+    """
+
+    is_sliding = False
+    state_kind = "full_attention"
+    # Only `[:length]` is ever returned: new buffers skip the zero fill, so a prefill chunk writes each byte once.
+    _zero_fill = False
+
+    def __init__(self, initial_capacity: int = 0) -> None:
+        super().__init__()
+        self.initial_capacity = int(initial_capacity)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._allocate(key_states, value_states, max(self.initial_capacity, key_states.shape[-2]))
+
+    def capacity_after(self, prompt_length: int, total_length: int) -> int:
+        return capacity_after_decoding(max(self.initial_capacity, prompt_length), total_length)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens; return all tokens so far (`[batch, kv_heads, length, head_dim]` views)."""
+        self._prepare(key_states, value_states)
+        start = self.cumulative_length
+        end = start + key_states.shape[-2]
+        self._grow(end, key_states.shape[-2])
+        self.note_write(start)
+        self.keys[:, :, start:end].copy_(key_states)
+        self.values[:, :, start:end].copy_(value_states)
+        self.cumulative_length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def key_positions(self) -> torch.Tensor:
+        """Absolute position of every key the last `update` returned (time order: `0 .. length - 1`)."""
+        return torch.arange(self.cumulative_length, device=self.keys.device if self.is_initialized else None)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # Only the held tokens matter; select them alone so a beam step costs O(length), not O(capacity).
+        if self.is_initialized:
+            self._make_writable()
+            length, beam_idx = self.cumulative_length, beam_idx.to(self.device)
+            self.keys[:, :, :length] = self.keys[:, :, :length].index_select(0, beam_idx)
+            self.values[:, :, :length] = self.values[:, :, :length].index_select(0, beam_idx)
+            self.note_write(0)
+
+
+class StaticFullLayer(StorageLayer):
+    """A full-attention layer with a fixed, preallocated capacity (for `torch.compile`; static tensor addresses).
+
+    Like transformers' `StaticLayer`, it returns the whole buffer (`max_cache_len` slots, time-ordered; slots past
+    the current length are masked by causality) and keeps its length in a tensor so compiled steps never specialize
+    on a Python integer.
+
+    Args:
+        max_cache_len (`int`): total tokens (prompt + generated) the layer can hold; exceeding it raises.
+    """
+
+    is_sliding = False
+    is_compileable = True
+    state_kind = "full_attention"
+    cumulative_length = tensor_counter("length_tensor")
+    _counter_names = ("length_tensor", "floor_tensor")
+    write_floor = tensor_counter("floor_tensor")
+
+    def __init__(self, max_cache_len: int) -> None:
+        if max_cache_len < 1:
+            raise ValueError(f"`max_cache_len` must be >= 1, got {max_cache_len}.")
+        self.max_cache_len = int(max_cache_len)
+        self.length_tensor = torch.zeros((), dtype=torch.long)
+        self.floor_tensor = torch.full((), NOTHING_WRITTEN, dtype=torch.long)
+        super().__init__()
+
+    def note_write(self, position: int | torch.Tensor) -> None:
+        # A tensor op, so that compiled decode steps record their writes too.
+        position = torch.as_tensor(position, device=self.floor_tensor.device)
+        torch.minimum(self.floor_tensor, position, out=self.floor_tensor)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.floor_tensor = self.floor_tensor.to(key_states.device)
+        self._allocate(key_states, value_states, self.max_cache_len)
+        self.length_tensor = self.length_tensor.to(self.device)
+        mark_static(self.keys, self.values, self.length_tensor, self.floor_tensor)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        query_length = key_states.shape[-2]
+        if not is_torchdynamo_compiling():  # shape checks read the counters: eager only
+            prepare_fixed_capacity_step(self, key_states, value_states)
+        positions = self.length_tensor + torch.arange(query_length, device=self.device)
+        self.note_write(self.length_tensor)
+        self.keys.index_copy_(2, positions, key_states)
+        self.values.index_copy_(2, positions, value_states)
+        self.length_tensor.add_(query_length)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def key_positions(self) -> torch.Tensor:
+        """Absolute position of every key the last `update` returned: the whole buffer, `-1` past the length."""
+        positions = torch.arange(self.max_cache_len, device=self.length_tensor.device)
+        return torch.where(positions < self.length_tensor, positions, -1)
+
+    def _check_autograd_allowed(self) -> None:
+        refuse_static_autograd()
+
+    def _restatic(self, *tensors: torch.Tensor) -> None:
+        mark_static(*tensors)
+
+    def accepts_state(self, meta: Mapping[str, Any]) -> bool:
+        return super().accepts_state(meta) and meta["capacity"] == self.max_cache_len
+
+    def capacity_after(self, prompt_length: int, total_length: int) -> int:
+        return self.max_cache_len
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._reorder_in_place(beam_idx)
