@@ -19,7 +19,8 @@ transformers changed and what this module does on either side of it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ import transformers
 from packaging.version import Version
 from transformers import cache_utils
 
-from .errors import UnsupportedReleaseError
+from .errors import RollbackError, UnsupportedReleaseError
 
 __all__ = [
     "CACHE_KEYWORD",
@@ -186,15 +187,20 @@ def rollback_supported() -> bool:
     return TRANSFORMERS_VERSION >= ROLLBACK_SINCE
 
 
-def rollback_release_note() -> str:
-    """What to add to a refused rollback's message on the installed release ('' from 5.18)."""
-    if rollback_supported():
-        return ""
-    return (
-        f" (transformers {transformers.__version__}'s assisted / prompt-lookup decoding does not record the window it "
-        f"would need: with HybridRingCache it is exact from transformers {ROLLBACK_SINCE}, or here with "
-        f"`rollback_margin` >= the number of draft tokens per step.)"
-    )
+@contextlib.contextmanager
+def rollback_release_note() -> Iterator[None]:
+    """Add to a `RollbackError` raised inside what the installed release lacks for exact rollbacks (nothing from
+    5.18)."""
+    try:
+        yield
+    except RollbackError as error:
+        if rollback_supported():
+            raise
+        raise RollbackError(
+            f"{error} (transformers {transformers.__version__}'s assisted / prompt-lookup decoding does not record the "
+            f"window it would need: with HybridRingCache it is exact from transformers {ROLLBACK_SINCE}, or here with "
+            f"`rollback_margin` >= the number of draft tokens per step.)"
+        ) from error
 
 
 def check_rollback_supported(what: str = "assisted / prompt-lookup decoding") -> None:

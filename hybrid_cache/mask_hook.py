@@ -46,6 +46,7 @@ from transformers.utils import is_torchdynamo_compiling
 
 from .code_attention import CODE_ATTENTION
 from .errors import ConversationMismatchError, UnsupportedAttentionError, WindowMismatchError
+from .specs import declared_window
 
 __all__ = [
     "SUPPORTED_ATTN_IMPLEMENTATIONS",
@@ -53,11 +54,15 @@ __all__ = [
     "ConversationMismatchError",
     "DenseMaskRequest",
     "HeldFromOffset",
+    "IssuedLayouts",
     "RingLayout",
     "UnsupportedAttentionError",
     "WindowMismatchError",
+    "annotate_offset",
+    "check_ring_attention_supported",
     "install_mask_hook",
     "is_mask_hook_installed",
+    "refuse_empty_step",
     "uninstall_mask_hook",
 ]
 
@@ -253,7 +258,7 @@ def _check_window(
     if sliding_request is None and local_size is None and bool(violation.any()):
         violation = violation & ~visible(0, None)  # full-attention masks are not a ring's
     if bool(violation.any()):
-        model_window = local_size if local_size is not None else getattr(request.get("config"), "sliding_window", None)
+        model_window = local_size if local_size is not None else declared_window(request.get("config"))
         raise WindowMismatchError(
             f"The model's attention mask lets a query see the key at position {missing}, but HybridRingCache's "
             f"sliding-window ring holds only {held_text}: the model attends further back than the window the cache "
@@ -455,3 +460,71 @@ def check_ring_attention_supported(attn_implementation: str | None) -> None:
         )
     if not is_mask_hook_installed(implementation):
         install_mask_hook()
+
+
+def annotate_offset(
+    kv_offset: int | RingLayout, *, columns_needed: int, sliding_request: bool | None, dense: bool
+) -> int | RingLayout:
+    """What a `HybridRingCache` answers as `kv_offset` for transformers' mask creation: `kv_offset` itself, or, to be
+    checked by the hook, a `CacheOffset` carrying `columns_needed` (a `DenseMaskRequest` when `dense`, for a
+    one-token step whose mask should be materialized) and, for ring layouts and held windows, `sliding_request` (see
+    `HeldFromOffset.sliding_request`). Compiled steps get the plain offset (no Python checks while tracing)."""
+    if dense and not isinstance(kv_offset, RingLayout):
+        kv_offset = DenseMaskRequest(kv_offset)
+    if not is_torchdynamo_compiling():
+        if not isinstance(kv_offset, (RingLayout, CacheOffset)):
+            kv_offset = CacheOffset(kv_offset)
+        kv_offset.columns_needed = columns_needed  # the 2D mask must cover the held tokens and the step's
+    if isinstance(kv_offset, (RingLayout, HeldFromOffset)):
+        kv_offset.sliding_request = sliding_request
+    return kv_offset
+
+
+class IssuedLayouts:
+    """The ring layouts a cache announced to the mask creation of the current step, and whether the hook served them.
+
+    A wrapped ring's one-token step is only exact if this step's mask was built by the hook from the layout
+    `get_mask_sizes` announced: `issue` records each announced layout (the latest per layer: model code may size
+    something from one request, Gemma's image-block padding, and build the mask from the next), `check_served` is
+    called before the step's first write. A step is `(cache length, query length)`; after a crop, reset or restore the
+    same step can come again, so the cache calls `forget`.
+    """
+
+    def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        self._layouts: dict[int, RingLayout] = {}
+        self._step: tuple[int, int] | None = None
+        self._verified: tuple[int, int] | None = None  # the step whose served layouts were checked
+
+    def issue(self, layer_idx: int, step: tuple[int, int], layout: RingLayout) -> None:
+        if step != self._step:
+            self._layouts, self._step = {}, step
+        self._layouts[layer_idx] = layout
+
+    def check_served(self, step: tuple[int, int], attn_implementation: str | None) -> None:
+        """Raise unless the layouts announced for `step` were all served by the hook (checked once per step)."""
+        if self._verified == step:
+            return  # a later layer of the step whose layouts the first one verified
+        check_ring_attention_supported(attn_implementation)
+        layouts, self._layouts = self._layouts, {}  # checked once; do not keep their tensors alive
+        if not layouts or not all(layout.served for layout in layouts.values()) or self._step != step:
+            raise RuntimeError(
+                "HybridRingCache's sliding-window ring has wrapped, but no attention mask was built for its slot "
+                "layout in this forward pass (the model was given a prepared 4D attention mask, or its attention "
+                "does not use transformers' mask functions). Pass a 2D attention mask (or none) so the model builds "
+                "its masks itself, or use `DynamicCache` for this model."
+            )
+        self._verified = step
+
+
+def refuse_empty_step(cached_tokens: int) -> None:
+    """Raise `ConversationMismatchError` for a step with no new tokens (`get_mask_sizes(0, ...)`)."""
+    raise ConversationMismatchError(
+        f"A step with no new tokens reached HybridRingCache, which holds {cached_tokens} tokens: "
+        f"`generate` slices the new tokens off the prompt by the cached length, so a prompt no longer than "
+        f"the cached tokens leaves nothing (or the wrong tokens) to run. A cache holds one conversation: to "
+        f"continue it, pass the whole conversation (the cached tokens, then the new ones); to start another, "
+        f"pass a new `HybridRingCache(model.config)` or call `cache.reset()` first."
+    )

@@ -42,20 +42,17 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .layers import (
-    NOTHING_WRITTEN,
-    GrowableFullLayer,
-    RingSlidingLayer,
-    StaticFullLayer,
-    StaticRingSlidingLayer,
-)
+from .specs import FULL, OTHER_STAGE, SLIDING, declared_structure
+from .storage import NOTHING_WRITTEN
+from .version import __version__
 
 if TYPE_CHECKING:
     from .cache import HybridRingCache
 
 __all__ = ["RESERVED_PREFIX", "CacheCheckpoint", "read_metadata"]
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+#: The constructor arguments the format records (`HybridRingCache.options`); the others are not saved.
+SAVED_ARGUMENTS = ("max_cache_len", "rollback_margin", "initial_capacity", "dense_decode_mask")
 #: Metadata keys starting with this prefix belong to hybrid_cache; user metadata may not use it.
 RESERVED_PREFIX = "hybrid_cache."
 FORMAT_KEY, FORMAT_NAME = RESERVED_PREFIX + "format", "HybridRingCache"
@@ -147,79 +144,16 @@ class LayerState:
         """`[batch, kv_heads, slots, head_dim]` of the saved keys (`k_head_dim`) or values (`v_head_dim`)."""
         return (self.batch_size, self.num_heads, self.slots, head_dim)
 
-    def same_layout(self, layer: Any) -> bool:
-        """Whether `layer` is allocated with this state's batch size, heads, head sizes and dtype."""
-        return bool(layer.is_initialized) and (
-            (layer.batch_size, layer.num_heads, layer.k_head_dim, layer.v_head_dim, layer.dtype)
-            == (self.batch_size, self.num_heads, self.k_head_dim, self.v_head_dim, self.dtype)
-        )
+    def meta(self) -> dict[str, Any]:
+        """The layer's `meta_state()` this state was read from (what `load_state` takes)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
-# The storage classes the format describes (exact storage: rings and full layers in the model dtype).
-_EXACT_STORAGE = (RingSlidingLayer, GrowableFullLayer, StaticFullLayer)
-
-
-def _ring_slots(length: int, oldest: int, max_slots: int) -> int:
-    """Slots of a ring worth keeping: `[0, length)` while in time order, else every slot."""
-    return length if oldest == 0 and length <= max_slots else max_slots
-
-
-def read_layer_state(kind: str, layer: Any) -> LayerState | None:
-    """The state of one layer of a cache, or `None` when it holds no tokens (KV-shared, never used, reset)."""
-    if kind not in (SLIDING, FULL) or not layer.is_initialized or int(layer.cumulative_length) == 0:
-        return None
-    length = int(layer.cumulative_length)
-    oldest = int(layer._oldest) if kind == SLIDING else 0
-    slots = _ring_slots(length, oldest, layer.max_slots) if kind == SLIDING else length
-    capacity = layer.capacity
-    if slots > capacity:  # an invariant of layers.py; never silently save less than the layer holds
-        raise RuntimeError(f"A {kind} layer holds {slots} slots of content but only {capacity} are allocated.")
-    return LayerState(
-        kind=kind,
-        length=length,
-        oldest=oldest,
-        capacity=capacity,
-        slots=slots,
-        batch_size=int(layer.batch_size),
-        num_heads=int(layer.num_heads),
-        k_head_dim=int(layer.k_head_dim),
-        v_head_dim=int(layer.v_head_dim),
-        dtype=layer.dtype,
-    )
-
-
-def _writable(tensor: torch.Tensor | None) -> contextlib.AbstractContextManager:
-    # Tensors made under `torch.inference_mode()` can only be written inside it; others are written under no_grad.
-    return torch.inference_mode() if tensor is not None and tensor.is_inference() else torch.no_grad()
-
-
-def _allocate(layer: Any, state: LayerState, device: torch.device | str) -> None:
-    """(Re)allocate `layer` for `state` through its own `lazy_initialization` (static addresses, device moves)."""
-    template = torch.empty((), dtype=state.dtype, device=device)
-    shape = (state.batch_size, state.num_heads, state.capacity)
-    layer.lazy_initialization(template.expand(*shape, state.k_head_dim), template.expand(*shape, state.v_head_dim))
-
-
-def install_layer(layer: Any, state: LayerState, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Make `layer` hold exactly `state`: slots `[0, slots)` from `keys` / `values`, the rest of a ring zero.
-
-    A layer already allocated with the same layout and capacity is written in place (compiled graphs keep their
-    static addresses); otherwise it is reallocated on `keys`' device. Pending undo state of a ring is dropped
-    through `reset()`.
-    """
-    if not state.same_layout(layer) or layer.capacity != state.capacity or layer.device != keys.device:
-        _allocate(layer, state, keys.device)
-    slots = state.slots
-    with _writable(layer.keys):
-        if isinstance(layer, RingSlidingLayer):
-            layer.reset()
-        layer.keys[:, :, :slots].copy_(keys)
-        layer.values[:, :, :slots].copy_(values)
-        if isinstance(layer, RingSlidingLayer):
-            layer.keys[:, :, slots:].zero_()
-            layer.values[:, :, slots:].zero_()
-            layer._oldest = state.oldest
-        layer.cumulative_length = state.length
+def read_layer_state(layer: Any) -> LayerState | None:
+    """The state of one layer of a cache (its `meta_state()`), or `None` when it holds no tokens (KV-shared, never
+    used, reset) or stores nothing."""
+    meta = layer.meta_state() if getattr(layer, "state_kind", None) is not None else None
+    return None if meta is None else LayerState(**meta)
 
 
 # --- model identity -----------------------------------------------------------------------------------------------
@@ -236,25 +170,9 @@ def config_entries(cache: HybridRingCache) -> dict[str, Any]:
 
 def model_identity(cache: HybridRingCache) -> dict[str, Any]:
     """What identifies the model a cache belongs to: its layer structure per field, and a config fingerprint."""
-    config = cache.config
-    layer_types = getattr(config, "layer_types", None)
-    windows = [
-        getattr(layer, "sliding_window", None) if kind == SLIDING else None
-        for kind, layer in zip(cache.layer_kinds, cache.layers)
-    ]
     entries = config_entries(cache)
-    return _canonical(
-        {
-            "num_hidden_layers": config.num_hidden_layers,
-            "layer_types": list(layer_types) if layer_types is not None else None,
-            "kv_sharing_modes": getattr(config, "kv_sharing_modes", None),
-            "sliding_window": windows,
-            "num_key_value_heads": cache._per_layer_attribute("num_key_value_heads", None),
-            "head_dim": cache._per_layer_attribute("head_dim", None),
-            "model_type": getattr(config, "model_type", None),
-            "fingerprint": hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest(),
-        }
-    )
+    fingerprint = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
+    return _canonical({**declared_structure(cache.config), "fingerprint": fingerprint})
 
 
 def _describe(field: str, saved: Any, current: Any, layer_types: list[str] | None) -> str:
@@ -314,28 +232,16 @@ def _user_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return dict(metadata)
 
 
-def _cache_arguments(cache: HybridRingCache) -> dict[str, Any]:
-    """The constructor arguments that shape the storage, read back from the layers."""
-    rings = [layer for layer in cache.layers if isinstance(layer, RingSlidingLayer)]
-    growing = [layer for layer in cache.layers if hasattr(layer, "initial_capacity")]
-    return {
-        "max_cache_len": cache.max_cache_len,
-        "rollback_margin": rings[0].rollback_margin if rings else 0,
-        "initial_capacity": growing[0].initial_capacity if growing else 0,
-        "dense_decode_mask": cache.dense_decode_mask,
-    }
-
-
 def _check_exact_storage(cache: HybridRingCache, action: str) -> None:
     """Refuse, naming the fix, a cache whose layers this format does not describe: compressed or bounded full layers
     (`full_layer_quantization` / `full_layer_window`) and pipeline-parallel stages (`stage_layers`)."""
     for index, (kind, layer) in enumerate(zip(cache.layer_kinds, cache.layers)):
-        if kind == "other_stage":
+        if kind == OTHER_STAGE:
             raise ValueError(
                 f"Cannot {action} a pipeline-parallel stage's cache (layer {index} runs on another stage): the format "
                 f"holds whole caches. Keep each stage's prefix in memory (`copy.deepcopy(cache)`) instead."
             )
-        if kind in (SLIDING, FULL) and not isinstance(layer, _EXACT_STORAGE):
+        if kind in (SLIDING, FULL) and getattr(layer, "state_kind", None) is None:
             raise ValueError(
                 f"Cannot {action} layer {index}: it is a {type(layer).__name__} (full_layer_quantization / "
                 f"full_layer_window), which save / load / checkpoint do not support yet. Use exact storage (the "
@@ -350,25 +256,24 @@ def save_cache(cache: HybridRingCache, path: str | os.PathLike, metadata: Mappin
     header = _user_metadata(metadata)
     tensors: dict[str, torch.Tensor] = {}
     layers: list[dict[str, Any] | None] = []
-    for index, (kind, layer) in enumerate(zip(cache.layer_kinds, cache.layers)):
-        state = read_layer_state(kind, layer)
+    for index, layer in enumerate(cache.layers):
+        state = read_layer_state(layer)
         if state is None:
             layers.append(None)
             continue
         entry = state.to_json()
-        for name, tensor in (("keys", layer.keys), ("values", layer.values)):
-            held = tensor[:, :, : state.slots].detach().to("cpu").contiguous()
+        for name, tensor in zip(("keys", "values"), layer.state()):
+            held = tensor.detach().to("cpu").contiguous()
             tensors[f"layers.{index}.{name}"] = held
             entry[f"{name}_crc32"] = _crc32(held)
         layers.append(entry)
-    from . import __version__
-
+    arguments = {name: getattr(cache.options, name) for name in SAVED_ARGUMENTS}
     header.update(
         {
             FORMAT_KEY: FORMAT_NAME,
             VERSION_KEY: FORMAT_VERSION,
             LIBRARY_KEY: __version__,
-            STATE_KEY: json.dumps({"arguments": _cache_arguments(cache), "layers": layers}),
+            STATE_KEY: json.dumps({"arguments": arguments, "layers": layers}),
             MODEL_KEY: json.dumps(model_identity(cache)),
             CONFIG_KEY: json.dumps(config_entries(cache), sort_keys=True),
         }
@@ -474,10 +379,11 @@ def _parse_arguments(arguments: Any) -> dict[str, Any]:
     }
 
 
-def _parse_layer_state(entry: Any, kind: str, layer: Any) -> LayerState:
+def _parse_layer_state(entry: Any, layer: Any) -> LayerState:
     """A layer's saved state, checked against the layer it goes into (the file is not trusted)."""
-    if not isinstance(entry, dict) or entry.get("kind") != kind:
-        raise ValueError(f"its state is {entry!r}, expected a {kind} layer")
+    kind = getattr(layer, "state_kind", None)
+    if not isinstance(entry, dict) or kind is None or entry.get("kind") != kind:
+        raise ValueError(f"its state is {entry!r}, expected a {kind or 'storing'} layer")
     if entry.get("dtype") not in _DTYPES:
         raise ValueError(f"dtype {entry.get('dtype')!r} is not supported")
     state = LayerState(
@@ -492,23 +398,7 @@ def _parse_layer_state(entry: Any, kind: str, layer: Any) -> LayerState:
         v_head_dim=_integer(entry, "v_head_dim", 1),
         dtype=_DTYPES[entry["dtype"]],
     )
-    if kind == SLIDING:
-        max_slots = layer.max_slots
-        expected = _ring_slots(state.length, state.oldest, max_slots)
-        fixed = isinstance(layer, StaticRingSlidingLayer)
-        consistent = (
-            max(0, state.length - max_slots) <= state.oldest <= state.length
-            and state.slots == expected <= state.capacity <= max_slots
-            and (state.capacity == max_slots or not fixed)
-        )
-    else:
-        fixed = isinstance(layer, StaticFullLayer)
-        consistent = (
-            state.oldest == 0
-            and state.slots == state.length <= state.capacity
-            and (state.capacity == layer.max_cache_len if fixed else True)
-        )
-    if not consistent:
+    if not layer.accepts_state(state.meta()):
         raise ValueError(f"its counters are inconsistent ({state.to_json()})")
     return state
 
@@ -534,11 +424,11 @@ def load_cache(
         if not isinstance(entries, list) or len(entries) != len(cache.layers):
             raise reader.invalid(f"it describes {len(entries) if isinstance(entries, list) else 'no'} layers")
         plan: list[tuple[Any, LayerState, str]] = []
-        for index, (kind, layer, entry) in enumerate(zip(cache.layer_kinds, cache.layers, entries)):
+        for index, (layer, entry) in enumerate(zip(cache.layers, entries)):
             if entry is None:
                 continue
             try:
-                plan.append((layer, _parse_layer_state(entry, kind, layer), str(index)))
+                plan.append((layer, _parse_layer_state(entry, layer), str(index)))
             except ValueError as error:
                 raise reader.invalid(f"layer {index}: {error}") from None
         layouts = {(s.length, s.batch_size) for _, s, _ in plan}
@@ -557,7 +447,7 @@ def load_cache(
                 tensors.append(tensor.to(device))
             contents.append(tensors)
     for (layer, layer_state, _), (keys, values) in zip(plan, contents):
-        install_layer(layer, layer_state, keys, values)
+        layer.load_state(layer_state.meta(), keys, values)
     return cache
 
 
@@ -626,20 +516,16 @@ class CacheCheckpoint:
 
 
 def _full_layers(cache: HybridRingCache) -> Iterator[tuple[int, Any]]:
-    return ((i, layer) for i, (kind, layer) in enumerate(zip(cache.layer_kinds, cache.layers)) if kind == FULL)
+    return ((i, layer) for i, layer in enumerate(cache.layers) if getattr(layer, "state_kind", None) == FULL)
 
 
 def _collect_write_floors(cache: HybridRingCache) -> None:
     """Hand the full layers' write floors to every live checkpoint of `cache`, then clear them."""
     live = _CHECKPOINTS.get(cache, ())
     for index, layer in _full_layers(cache):
-        floor = int(layer.write_floor)
-        if floor == NOTHING_WRITTEN:
-            continue
+        floor = layer.take_write_floor()
         for checkpoint in live:
             checkpoint._floors[index] = min(checkpoint._floors[index], floor)
-        with _writable(getattr(layer, "floor_tensor", None)):
-            layer.write_floor = NOTHING_WRITTEN
 
 
 def take_checkpoint(cache: HybridRingCache) -> CacheCheckpoint:
@@ -647,11 +533,11 @@ def take_checkpoint(cache: HybridRingCache) -> CacheCheckpoint:
     _check_exact_storage(cache, "checkpoint")
     _collect_write_floors(cache)
     states, contents = [], []
-    for kind, layer in zip(cache.layer_kinds, cache.layers):
-        state = read_layer_state(kind, layer)
+    for layer in cache.layers:
+        state = read_layer_state(layer)
         states.append(state)
-        if state is not None and kind == SLIDING:
-            contents.append((layer.keys[:, :, : state.slots].clone(), layer.values[:, :, : state.slots].clone()))
+        if state is not None and state.kind == SLIDING:
+            contents.append(tuple(tensor.clone() for tensor in layer.state()))
         else:
             contents.append(None)
     checkpoint = CacheCheckpoint(cache, states, contents)
@@ -665,7 +551,7 @@ def _check_restorable(cache: HybridRingCache, checkpoint: CacheCheckpoint) -> No
         if state is None:
             continue
         contents = checkpoint._contents[index]
-        if not state.same_layout(layer) or (contents is not None and layer.device != contents[0].device):
+        if not layer.same_state_layout(state.meta()) or (contents is not None and layer.device != contents[0].device):
             held = (
                 f"batch_size={layer.batch_size}, kv_heads={layer.num_heads}, {layer.dtype} on {layer.device}"
                 if layer.is_initialized
@@ -702,15 +588,13 @@ def restore_checkpoint(cache: HybridRingCache, checkpoint: CacheCheckpoint) -> N
         )
     _check_restorable(cache, checkpoint)
     _collect_write_floors(cache)
-    for kind, layer, state, contents in zip(cache.layer_kinds, cache.layers, checkpoint._states, checkpoint._contents):
-        if kind not in (SLIDING, FULL):
+    for layer, state, contents in zip(cache.layers, checkpoint._states, checkpoint._contents):
+        if getattr(layer, "state_kind", None) is None:
             continue
         if state is None:
             if layer.is_initialized:
-                with _writable(layer.keys):
-                    layer.reset()
-        elif kind == SLIDING:
-            install_layer(layer, state, *contents)
+                layer.clear()
+        elif state.kind == SLIDING:
+            layer.load_state(state.meta(), *contents)
         else:
-            with _writable(layer.keys):
-                layer.cumulative_length = state.length
+            layer.set_length(state.length)

@@ -23,6 +23,7 @@ __all__ = [
     "LayerSpec",
     "check_stage_layers",
     "declared_structure",
+    "declared_window",
     "has_sliding_layers",
     "kv_heads_per_rank",
     "layer_specs",
@@ -177,6 +178,11 @@ def has_sliding_layers(config: Any) -> bool:
     if layer_types:
         return any("sliding" in layer_type for layer_type in layer_types)
     return getattr(config, "sliding_window", None) is not None
+
+
+def declared_window(config: Any) -> int | None:
+    """The `sliding_window` a config declares for the whole model (`None` when it declares none, or for `None`)."""
+    return getattr(config, "sliding_window", None)
 
 
 def declared_structure(config: Any) -> dict[str, Any]:
