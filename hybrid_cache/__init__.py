@@ -2,9 +2,11 @@
 
 The public API is `__all__`: the cache and what it reports, the switch that gives every `generate()` call a ring
 (`enable` / `disable`), the cache keyword of the installed transformers release, attention on compressed codes,
-attention maps, pipeline-stage helpers and the errors. Storage classes, the quantizer, the mask hook's controls and the
-remaining errors stay importable from their modules (`hybrid_cache.layers`, `hybrid_cache.quantized`,
-`hybrid_cache.streaming`, `hybrid_cache.mask_hook`, `hybrid_cache.errors`, ...).
+attention maps, pipeline-stage helpers and the errors users catch (every error derives from `HybridCacheError`).
+Storage classes, the options, the layer specifications, the quantizer, the mask hook's controls and the remaining
+errors stay importable from the package and from their modules (`hybrid_cache.ring`, `hybrid_cache.full`,
+`hybrid_cache.options`, `hybrid_cache.specs`, `hybrid_cache.quantized`, `hybrid_cache.streaming`,
+`hybrid_cache.mask_hook`, `hybrid_cache.errors`, ...).
 """
 
 import os
@@ -29,13 +31,16 @@ from .errors import (  # noqa: F401, E402
     UnsupportedReleaseError,
     WindowMismatchError,
 )
-from .layers import GrowableFullLayer, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer  # noqa: F401, E402
+from .full import GrowableFullLayer, StaticFullLayer  # noqa: F401, E402
 from .mask_hook import RingLayout, install_mask_hook, is_mask_hook_installed, uninstall_mask_hook  # noqa: F401, E402
+from .options import CacheOptions  # noqa: F401, E402
 from .quantized import QUANTIZATION_MODES, KVQuantizer, QuantizedFullLayer, StaticQuantizedFullLayer  # noqa: F401, E402
+from .ring import RingSlidingLayer, StaticRingSlidingLayer  # noqa: F401, E402
 from .snapshot import (
     CacheCheckpoint,
     read_metadata,  # noqa: F401, E402
 )
+from .specs import LayerSpec, layer_specs  # noqa: F401, E402
 from .streaming import SinkWindowFullLayer  # noqa: F401, E402
 from .switch import (
     disable,
@@ -51,7 +56,6 @@ __all__ = [
     "HybridRingCache",
     "MemoryReport",
     "RollbackError",
-    "UnsupportedAttentionError",
     "WindowMismatchError",
     "attention_in_time_order",
     "cache_kwargs",

@@ -1,0 +1,178 @@
+"""The package's structure, read from its source with `ast`: imports go one way, modules import no private names
+of each other, core modules stay small, the container stays lean and the public API short."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import hybrid_cache
+
+PACKAGE = Path(hybrid_cache.__file__).parent
+# The core: the cache and everything it needs (the tools, bench/ and metrics/ build on it; thin alias modules such as
+# layers.py only re-export).
+CORE_MODULES = (
+    "attention_maps",
+    "cache",
+    "code_attention",
+    "compat",
+    "distributed",
+    "errors",
+    "full",
+    "mask_hook",
+    "memory",
+    "options",
+    "quantized",
+    "ring",
+    "snapshot",
+    "specs",
+    "storage",
+    "streaming",
+    "switch",
+    "version",
+)
+MAX_CORE_LINES = 600
+MAX_CONTAINER_LINES = 260
+MAX_PUBLIC_NAMES = 15
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(module: str, top_level_only: bool) -> list[tuple[str, list[str]]]:
+    """`(imported module, imported names)` for every import of the package's own modules in `module`; imports under
+    `if TYPE_CHECKING:` never run and are left out, and so are imports inside functions when `top_level_only`."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _is_type_checking_block(child):
+                continue
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.ImportFrom) and not (top_level_only and in_function):
+                if child.level:
+                    base = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                if target.split(".")[0] == "hybrid_cache":
+                    for (
+                        alias
+                    ) in child.names:  # `from . import compare` imports a module, `from .cache import X` a name
+                        submodule = f"{target}.{alias.name}"
+                        found.append((submodule, []) if submodule in MODULES else (target, [alias.name]))
+            elif isinstance(child, ast.Import) and not (top_level_only and in_function):
+                found.extend((alias.name, []) for alias in child.names if alias.name.split(".")[0] == "hybrid_cache")
+            visit(child, nested)
+
+    visit(ast.parse(path.read_text()), in_function=False)
+    return [(target, names) for target, names in found if target in MODULES and target != module]
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph`, or `None`."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node], _ = 1, stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return stack[stack.index(target) :] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        state[node] = 2
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_core_modules_exist():
+    missing = [name for name in CORE_MODULES if f"hybrid_cache.{name}" not in MODULES]
+    assert not missing, f"core modules listed here but not in the package: {missing}"
+
+
+def test_no_import_cycle_at_module_level():
+    """Importing any module of the package never comes back to a module being imported."""
+    graph = {module: {target for target, _ in _imports(module, top_level_only=True)} for module in MODULES}
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
+
+
+def test_core_has_no_import_cycle_even_lazily():
+    """The core modules do not import each other in a circle, not even from inside functions."""
+    core = {f"hybrid_cache.{name}" for name in CORE_MODULES}
+    graph = {
+        module: {target for target, _ in _imports(module, top_level_only=False) if target in core} for module in core
+    }
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_names_imported_across_modules(module):
+    private = [
+        f"{target}.{name}"
+        for target, names in _imports(module, top_level_only=False)
+        for name in names
+        if name.startswith("_") and not name.startswith("__")
+    ]
+    assert not private, f"{module} imports private names of other modules: {private}"
+
+
+@pytest.mark.parametrize("name", CORE_MODULES)
+def test_core_module_size(name):
+    lines = len((PACKAGE / f"{name}.py").read_text().splitlines())
+    assert lines <= MAX_CORE_LINES, f"hybrid_cache/{name}.py has {lines} lines (at most {MAX_CORE_LINES})"
+
+
+def test_container_is_lean():
+    tree = ast.parse((PACKAGE / "cache.py").read_text())
+    (container,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "HybridRingCache"]
+    lines = container.end_lineno - container.lineno + 1
+    assert lines <= MAX_CONTAINER_LINES, f"class HybridRingCache has {lines} lines (at most {MAX_CONTAINER_LINES})"
+
+
+def test_public_api_is_short_and_importable():
+    assert len(hybrid_cache.__all__) <= MAX_PUBLIC_NAMES
+    assert hybrid_cache.__all__ == sorted(hybrid_cache.__all__, key=lambda name: (not name[0].isupper(), name))
+    for name in hybrid_cache.__all__:
+        assert hasattr(hybrid_cache, name), name
+
+
+def test_only_specs_reads_the_layer_structure_of_the_config():
+    """`layer_types`, `sliding_window` and the KV-sharing fields are read by `specs.py` alone among the core modules
+    (compat keeps the release-dependent reading of KV sharing that specs calls)."""
+    fields = ("layer_types", "kv_sharing_modes", "num_kv_shared_layers", "per_layer_config")
+    readers = []
+    for name in CORE_MODULES:
+        if name in ("specs", "compat"):
+            continue
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            reads_attribute = isinstance(node, ast.Attribute) and node.attr in fields
+            reads_getattr = (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "getattr"
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in (*fields, "sliding_window")
+            )
+            if reads_attribute or reads_getattr:
+                readers.append(f"{name}.py:{node.lineno}")
+    assert not readers, f"config structure read outside specs.py: {readers}"
