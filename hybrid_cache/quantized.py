@@ -1,7 +1,7 @@
 """Compressed storage for full-attention layers: int8, int4 or fp8 keys/values with per-token group scales.
 
 Why only full layers: once the sliding layers hold `sliding_window` slots, the full-attention layers are almost all of
-the cache at long context (Gemma 3 270M at 32K tokens: 192 of 207 MiB). Sliding rings stay exact in the model dtype;
+the cache at long context (docs/perplexity.md). Sliding rings stay exact in the model dtype;
 KV-shared layers hold nothing anyway.
 
 Format (per layer, per token, per KV head; "groups" are `group_size` consecutive channels of the head dimension):
@@ -21,23 +21,22 @@ Key calibration (on by default): keys are quantized as `(k - shift) / scale` per
 spread over the first update into the empty layer (the prompt; per batch row and KV head; `KVQuantizer.calibrate`).
 Gemma's keys have a few channels with a large offset and spread; in a per-token group they set the step of every other
 channel. Centering and equalizing the channels first gets most of what per-channel (KIVI-style) grouping gets while
-keeping every operation per token: on the real model it lowers the end-to-end KL divergence 9x for int8 and 7x for
-int4 at 8192 tokens (docs/quantization.md). It costs one fused multiply-add pass over the keys at dequantization.
+keeping every operation per token (its effect on the end-to-end KL divergence: docs/quantization.md). It costs one
+fused multiply-add pass over the keys at dequantization.
 
 The attention kernels need keys/values in the model dtype, so `update` dequantizes the history into a **workspace**
 shared by all compressed layers of one cache (one buffer for keys, one for values, the size of the largest layer),
 which exists anyway while one layer's attention runs. It is reused by the next compressed layer: the tensors that
 `update` returns are valid until the next compressed layer's `update` (the model consumes them before that; Gemma 4's
 KV-shared layers read those of the last storing layer of their type, and no compressed layer updates after it in the
-same forward). Reusing it instead of allocating per call avoids page-faulting a fresh buffer every step (4.5 vs 19 ms
-for 16384 x 8 x 256 bf16 on this CPU).
+same forward). Reusing it instead of allocating per call avoids page-faulting a fresh buffer every step
+(docs/quantization.md).
 
 Optional rotation (`rotate=True`): a normalized Sylvester-Hadamard matrix over each group, applied before quantizing
 and undone after dequantizing. It spreads a group's outlier channels over all its channels (the idea of llama.cpp's
 rotated KV cache, there applied to queries and keys inside the attention; here undone in the cache, because the
-cache does not see the queries). On Gemma 3 it lowers int4's RMS key error by a third but not the end-to-end KL
-divergence (docs/quantization.md), and costs a `[group x group]` matmul over the whole history per step: off by
-default.
+cache does not see the queries). It lowers int4's key error more than the end-to-end KL divergence
+(docs/quantization.md), and costs a `[group x group]` matmul over the whole history per step: off by default.
 """
 
 from __future__ import annotations
@@ -216,7 +215,7 @@ class KVQuantizer:
         """Write the model-dtype values of `codes` / `scales` into `out` (`[..., head_dim]`), in place.
 
         A cast and an in-place multiply per tensor: torch's mixed int8 x bf16 multiply has no vectorized CPU kernel
-        (20 ms against 4.5 ms for cast + `mul_` at 16384 x 8 x 256), and in-place writes allocate nothing. int4 needs
+        (docs/quantization.md), and in-place writes allocate nothing. int4 needs
         an int8 buffer of `codes`' shape for the unpacked nibbles: pass `scratch` to reuse one (a fresh buffer per
         call costs page faults). `calibration`: the `(shift, scale)` the codes were quantized with.
         """
@@ -394,10 +393,9 @@ class QuantizedFullLayer(StorageLayer):
         """Set the key calibration from the tokens of the first update into an empty layer (a prompt, usually).
 
         Keys are stored as `(k - shift) / scale` per channel before the per-token grouping. Gemma's keys have a few
-        channels with a large offset and spread (|k| up to 100 against a median channel RMS of 1-2 in the 270M
-        model): in a per-token group they set the step for every other channel. Centering and equalizing the
-        channels first keeps every cache operation per token (append, crop, beams stay lossless on the codes) and,
-        measured on the real model, lowers the next-token KL divergence 9x (int8) and 7x (int4) at 8192 tokens. The
+        channels with a large offset and spread: in a per-token group they set the step for every other channel.
+        Centering and equalizing the channels first keeps every cache operation per token (append, crop, beams stay
+        lossless on the codes) and lowers the next-token KL divergence (docs/quantization.md). The
         calibration stays fixed until the layer is empty again (crop to 0, reset); values are stored without it (it
         did not lower their error). Eager only: a compiled graph keeps the calibration of its eager prefill.
         """
