@@ -162,7 +162,7 @@ class HybridRingCache(Cache):
 
     def __setstate__(self, state: dict) -> None:
         # Unpickling skips `__init__`: the mask hook must be in place in this process before the first wrapped step.
-        self.__dict__.update(state)
+        self.__dict__.update(_upgrade_pickled_state(state))
         install_mask_hook()
 
     @classmethod
@@ -362,3 +362,39 @@ def _wants_dense_mask(options: CacheOptions, spec: LayerSpec, layer: CacheLayerM
     device = getattr(layer, "device", None)
     grouped_query = spec.declared_kv_heads is not None and (spec.query_heads or 1) > spec.declared_kv_heads
     return device is not None and device.type == "cpu" and grouped_query
+
+
+def _upgrade_pickled_state(state: dict) -> dict:
+    """The state of a cache pickled by a release that kept its options as separate attributes (before
+    `CacheOptions`): the options read back from those attributes and the layers, the specs from the config."""
+    if "options" in state:
+        return state
+    layers = state.get("layers", [])
+
+    def first(kind: type) -> Any:
+        return next((layer for layer in layers if isinstance(layer, kind)), None)
+
+    ring, bounded, compressed = first(RingSlidingLayer), first(SinkWindowFullLayer), first(QuantizedFullLayer)
+    growing = next((layer for layer in layers if hasattr(layer, "initial_capacity")), None)
+    state["options"] = CacheOptions(
+        max_cache_len=state.pop("_max_cache_len", state.pop("max_cache_len", None)),
+        rollback_margin=getattr(ring, "rollback_margin", 0),
+        initial_capacity=getattr(growing, "initial_capacity", 0),
+        dense_decode_mask=state.pop("dense_decode_mask", None),
+        full_layer_quantization=state.pop("full_layer_quantization", None),
+        full_layer_group_size=getattr(compressed, "group_size", 64),
+        full_layer_rotation=getattr(compressed, "rotate", False),
+        full_layer_key_calibration=getattr(compressed, "key_calibration", True),
+        full_layer_window=getattr(bounded, "window", None),
+        full_layer_sink_tokens=getattr(bounded, "sink_tokens", None),
+        full_layer_code_attention=state.pop("full_layer_code_attention", None),
+    )
+    kinds = state.get("layer_kinds", [])
+    state["specs"] = [
+        replace(spec, kind=OTHER_STAGE) if kind == OTHER_STAGE else spec
+        for spec, kind in zip(layer_specs(state["config"]), kinds)
+    ]
+    for name in ("_issued_layouts", "_issued_step", "_verified_step", "_grouped_query"):
+        state.pop(name, None)
+    state["_layouts"] = IssuedLayouts()
+    return state
