@@ -47,7 +47,7 @@ def checkout_version(project: dict) -> str:
     """The checkout's version: `project.version`, or the `__version__` that setuptools reads when it is dynamic."""
     if "version" in project:
         return project["version"]
-    text = (ROOT / "hybrid_cache" / "__init__.py").read_text()
+    text = (ROOT / "hybrid_cache" / "version.py").read_text()  # pyproject: attr hybrid_cache.version.__version__
     match = re.search(r'^__version__ = "([^"]+)"', text, re.M)
     return match.group(1) if match else "unknown"
 
