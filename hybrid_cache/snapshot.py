@@ -11,7 +11,7 @@ whose layers it does not fit.
 A checkpoint copies the rings only (about `sliding layers x window` slots) and remembers the full layers' lengths:
 restoring cuts the full layers back, which is exact as long as their tokens before the checkpoint were not rewritten
 since. Every storage layer records the lowest position written since it was last asked (`note_write` /
-`write_floor` in `layers.py`); the checkpoints of a cache collect those floors whenever a checkpoint is taken or
+`write_floor` in `storage.py`); the checkpoints of a cache collect those floors whenever a checkpoint is taken or
 restored, and `restore` refuses, naming the fix, when the tokens it would keep have been overwritten.
 
 File layout (all metadata values are strings, as safetensors requires):
