@@ -36,10 +36,11 @@ from transformers import AutoConfig, DynamicCache, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer
 from transformers.configuration_utils import PreTrainedConfig
 
-from .cache import OTHER_STAGE, HybridRingCache
+from hybrid_cache.cache import OTHER_STAGE, HybridRingCache
+from hybrid_cache.compat import DummyLayer
+from hybrid_cache.distributed import pipeline_layer_range
+
 from .compare import layer_kv_geometry
-from .compat import DummyLayer
-from .distributed import pipeline_layer_range
 
 __all__ = [
     "CACHE_LABELS",

@@ -20,7 +20,7 @@ What is measured (modules of this package):
 - ``machine``: what the machine is, and whether other work competed for its CPUs while a row was measured (rows
   are flagged; a busy machine is reported before the run with what to do).
 - ``workload``: the models (embedded Gemma 3 270M, random models with a real model's K/V geometry) and inputs;
-  ``report``: tables and plots; ``cli``: the command line.
+  ``report``: tables and plots. The command line is `hybrid_cache.tools.cli.bench`.
 
 Every cache name in `hybrid_cache.compare.CACHE_NAMES` can be benchmarked (``--caches``).
 """
@@ -28,7 +28,6 @@ Every cache name in `hybrid_cache.compare.CACHE_NAMES` can be benchmarked (``--c
 from __future__ import annotations
 
 from ..compare import CACHE_NAMES, make_cache
-from .cli import build_parser, main
 from .compiled import COMPILEABLE_CACHES, CompileOptions
 from .decode import BenchResult, run_benchmark
 from .instrument import CacheOpTimer, count_update_copy_bytes
@@ -59,7 +58,6 @@ __all__ = [
     "ContentionMeter",
     "PrefillResult",
     "RssSampler",
-    "build_parser",
     "build_tiny_model",
     "busy_machine_warning",
     "count_update_copy_bytes",
@@ -71,7 +69,6 @@ __all__ = [
     "live_kv_bytes",
     "load_bench_model",
     "machine_info",
-    "main",
     "make_cache",
     "measure_bandwidth",
     "plot_results",

@@ -37,9 +37,8 @@ from typing import Any, NoReturn
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from .cache import HybridRingCache
-from .compat import cache_kwargs
-from .snapshot import read_metadata
+from hybrid_cache import HybridRingCache, cache_kwargs
+from hybrid_cache.snapshot import read_metadata
 
 __all__ = ["prefill", "time_to_first_token", "build_prefix", "main"]
 

@@ -34,10 +34,11 @@ from typing import Any
 
 import torch
 
+from hybrid_cache import cache_kwargs
+from hybrid_cache.code_attention import CODE_ATTENTION, MAX_CODE_QUERY_LENGTH
+
 from . import compare
-from .code_attention import CODE_ATTENTION, MAX_CODE_QUERY_LENGTH
 from .compare import full_cache_bytes_per_token, kv_bytes_held, peak_rss_bytes, text_config
-from .compat import cache_kwargs
 from .progress import Progress, layer_progress
 
 CACHE_NAMES = (*compare.CACHE_NAMES, "none")
@@ -390,8 +391,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quality_plot and args.reference is None:
         parser.error("--quality-plot needs --reference")
 
-    from hybrid_cache.models import load_model
-    from hybrid_cache.text import load_text
+    from hybrid_cache.tools.models import load_model
+    from hybrid_cache.tools.text import load_text
 
     try:
         text, text_desc = load_text(args.text)

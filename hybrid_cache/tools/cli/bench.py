@@ -16,14 +16,14 @@ from typing import Any
 import torch
 
 from .. import compare
+from ..bench.compiled import CompileOptions
+from ..bench.decode import BenchResult, run_benchmark
+from ..bench.machine import ContentionMeter, busy_machine_warning, loadavg, machine_info, measure_bandwidth
+from ..bench.prefill import prefill_chunk_check, run_prefill_benchmark
+from ..bench.profiling import profile_decode, profile_prefill
+from ..bench.report import format_compiled_table, format_memory_table, format_prefill_table, format_table, plot_results
+from ..bench.workload import DTYPES, TINY_MODELS, load_bench_model, parameter_bytes
 from ..compare import text_config
-from .compiled import CompileOptions
-from .decode import BenchResult, run_benchmark
-from .machine import ContentionMeter, busy_machine_warning, loadavg, machine_info, measure_bandwidth
-from .prefill import prefill_chunk_check, run_prefill_benchmark
-from .profiling import profile_decode, profile_prefill
-from .report import format_compiled_table, format_memory_table, format_prefill_table, format_table, plot_results
-from .workload import DTYPES, TINY_MODELS, load_bench_model, parameter_bytes
 
 __all__ = ["build_parser", "main"]
 

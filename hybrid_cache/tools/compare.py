@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache, StaticCache
 
-from .cache import HybridRingCache
-from .compat import kv_sharing_modes
+from hybrid_cache import HybridRingCache
+from hybrid_cache.compat import kv_sharing_modes
 
 __all__ = [
     "CACHE_NAMES",
@@ -95,7 +95,7 @@ def _ring_with_transformers_fp8(config: Any, compileable: bool) -> HybridRingCac
     """The ring whose full layers are transformers' `Fp8QuantizedLayer` (the side-by-side alternative)."""
     from transformers.cache_utils import Fp8QuantizedLayer
 
-    from .layers import GrowableFullLayer
+    from hybrid_cache.layers import GrowableFullLayer
 
     if compileable:
         raise ValueError(

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from hybrid_cache import cache_kwargs
+
 from ..compare import kv_bytes_held, make_cache, peak_rss_bytes, text_config
-from ..compat import cache_kwargs
 from .instrument import CacheOpTimer
 from .machine import Contention, ContentionMeter, RssSampler, current_rss_bytes, sync
 

@@ -33,8 +33,9 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
+from hybrid_cache import enable
+
 from .perplexity import evaluate_perplexity
-from .switch import enable
 
 __all__ = ["RingLM", "main"]
 

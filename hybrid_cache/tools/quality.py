@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from hybrid_cache import cache_kwargs
+
 from .compare import kv_bytes_held, peak_rss_bytes
-from .compat import cache_kwargs
 from .perplexity import PerplexityResult, final_logits, make_cache
 
 __all__ = ["evaluate_against_reference", "plot_quality"]

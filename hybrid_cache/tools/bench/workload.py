@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ..code_attention import CODE_ATTENTION
+from hybrid_cache.code_attention import CODE_ATTENTION
+
 from ..compare import layer_kv_geometry, text_config
 
 __all__ = [
@@ -116,7 +117,7 @@ def load_bench_model(name: str, dtype: torch.dtype, window: int | None = None, d
             query_heads=g.query_heads,
             kv_heads=g.kv_heads,
         ).to(device)
-    from hybrid_cache.models import load_model  # lazy: only the real-model path needs it
+    from hybrid_cache.tools.models import load_model  # lazy: only the real-model path needs it
 
     model, _ = load_model(None if name in ("default", "") else name, dtype=dtype, attn_implementation=CODE_ATTENTION)
     return model.eval().to(device)

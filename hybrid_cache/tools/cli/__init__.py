@@ -1,0 +1,1 @@
+"""The command lines of the tools, one module per command."""
