@@ -12,7 +12,8 @@
 
 Other request types (`loglikelihood`, multiple choice) are HFLM's own: one forward without any cache.
 
-Command line (any lm_eval arguments after the module name; `pretrained=default` is the embedded Gemma 3 270M):
+Command line (`hybrid_cache.tools.cli.lm_eval_ring`; any lm_eval arguments after the module name;
+`pretrained=default` is the embedded Gemma 3 270M):
 
 ```bash
 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python -m hybrid_cache.lm_eval_ring run --model hf-ring \\
@@ -25,7 +26,6 @@ Python: `lm_eval.simple_evaluate(model=RingLM(pretrained=model, tokenizer=tokeni
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from hybrid_cache import enable
 
 from .perplexity import evaluate_perplexity
 
-__all__ = ["RingLM", "main"]
+__all__ = ["RingLM"]
 
 
 @register_model("hf-ring")
@@ -84,16 +84,3 @@ class RingLM(HFLM):
             results.append(loglikelihood)
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), loglikelihood)
         return results
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m hybrid_cache.lm_eval_ring <lm_eval arguments>`: lm_eval's command line with `hf-ring` registered."""
-    from lm_eval.__main__ import cli_evaluate
-
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
-
-
-if __name__ == "__main__":
-    main()

@@ -22,7 +22,7 @@ What is measured (modules of this package):
 - ``workload``: the models (embedded Gemma 3 270M, random models with a real model's K/V geometry) and inputs;
   ``report``: tables and plots. The command line is `hybrid_cache.tools.cli.bench`.
 
-Every cache name in `hybrid_cache.compare.CACHE_NAMES` can be benchmarked (``--caches``).
+Every cache name in `hybrid_cache.tools.compare.CACHE_NAMES` can be benchmarked (``--caches``).
 """
 
 from __future__ import annotations

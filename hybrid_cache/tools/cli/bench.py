@@ -458,3 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
     return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
