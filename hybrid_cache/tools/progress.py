@@ -3,7 +3,7 @@
 On a terminal it is a tqdm bar that disappears when the pass ends; in a log, a pipe or CI (no terminal) a bar's
 carriage returns would glue its updates and the next printed line together, so it prints whole lines instead: one
 when the pass starts, one per quarter done, one at the end. Either way the pass ends with one summary line
-(``ring: 2048 tok in 21.1 s (97.1 tok/s)``). Lines go to stderr after flushing stdout, so they never interleave
+(``ring: <n> tok in <seconds> s (<rate> tok/s)``). Lines go to stderr after flushing stdout, so they never interleave
 with a half-written line of results.
 """
 
