@@ -1,6 +1,6 @@
 """Alias at the old path of `hybrid_cache.tools.perplexity` (streaming perplexity) and of its command line
-`hybrid_cache.tools.cli.perplexity` (`main`, `build_parser`): ``python -m hybrid_cache.perplexity`` runs that command line.
-New code imports the tools paths."""
+`hybrid_cache.tools.cli.perplexity` (`main`, `build_parser`): ``python -m hybrid_cache.perplexity`` runs that
+command line. New code imports the tools paths."""
 
 import sys
 

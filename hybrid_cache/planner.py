@@ -1,6 +1,6 @@
 """Alias at the old path of `hybrid_cache.tools.planner` (the KV-memory planner) and of its command line
-`hybrid_cache.tools.cli.planner` (`main`, `build_parser`): ``python -m hybrid_cache.planner`` runs that command line.
-New code imports the tools paths."""
+`hybrid_cache.tools.cli.planner` (`main`, `build_parser`): ``python -m hybrid_cache.planner`` runs that command
+line. New code imports the tools paths."""
 
 import sys
 

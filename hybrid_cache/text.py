@@ -1,5 +1,5 @@
-"""Alias of `hybrid_cache.tools.text` (the evaluation texts) at its old path: the same module object, so
-``from hybrid_cache import text`` and ``import hybrid_cache.text`` keep working. New code imports the tools path."""
+"""Alias of `hybrid_cache.tools.text` (the evaluation texts) at its old path: the same module object, so ``from
+hybrid_cache import text`` and ``import hybrid_cache.text`` keep working. New code imports the tools path."""
 
 import sys
 

@@ -5,7 +5,7 @@
 - `generate_until` tasks: the model is switched on with `hybrid_cache.enable`, so every `generate()` HFLM makes gets
   a fresh `HybridRingCache` (prompts longer than the sliding window decode with ring memory; same tokens as `hf`).
 - rolling log-likelihood tasks (perplexity, `loglikelihood_rolling`): each document is streamed through one
-  `HybridRingCache` in chunks of `ring_chunk_size` tokens (`hybrid_cache.perplexity.evaluate_perplexity`), so the
+  `HybridRingCache` in chunks of `ring_chunk_size` tokens (`hybrid_cache.tools.perplexity.evaluate_perplexity`), so the
   whole document is scored with its full context at the memory of the ring. HFLM's `hf` instead cuts documents
   longer than `max_length` into disjoint windows that each restart the context; where a document fits in one window
   both give the same log-likelihood (to float32 summation order).
@@ -46,7 +46,7 @@ class RingLM(HFLM):
 
     Args:
         pretrained: what `HFLM` takes (a path, a Hub id or a loaded model), or `"default"` for the embedded Gemma 3
-            270M (`hybrid_cache.models.load_model()`, tokenizer included).
+            270M (`hybrid_cache.tools.models.load_model()`, tokenizer included).
         ring_chunk_size (`int`, defaults to 512): tokens per forward when scoring a document with the ring.
         cache_options (`dict`, *optional*): `HybridRingCache` keyword arguments for generation (`hybrid_cache.enable`).
         **kwargs: `HFLM` arguments (`tokenizer`, `batch_size`, `max_length`, ...).

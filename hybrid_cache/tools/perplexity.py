@@ -98,7 +98,7 @@ class PerplexityResult:
 
 
 def kv_bytes(cache: Any) -> int:
-    """Bytes of K/V storage a cache holds (see `hybrid_cache.compare.kv_bytes_held`); 0 for ``None`` (no cache).
+    """Bytes of K/V storage a cache holds (see `hybrid_cache.tools.compare.kv_bytes_held`); 0 for ``None`` (no cache).
 
     For `HybridRingCache` this equals ``memory_report().total_bytes`` (tested).
     """
@@ -115,7 +115,7 @@ def has_sliding_layers(config: Any) -> bool:
 
 
 def make_cache(name: str, model: Any, max_tokens: int) -> Any:
-    """The named cache for ``model`` (`hybrid_cache.compare.make_cache`), or ``None`` for ``"none"``.
+    """The named cache for ``model`` (`hybrid_cache.tools.compare.make_cache`), or ``None`` for ``"none"``.
 
     Args:
         name: one of :data:`CACHE_NAMES`.
@@ -178,7 +178,7 @@ def evaluate_perplexity(
         cache_name: one of :data:`CACHE_NAMES`.
         chunk_size: tokens per forward for the cached runs (ignored by ``none``).
         logits_slice: positions per logits slice.
-        progress: show progress on stderr (`hybrid_cache.progress.Progress`).
+        progress: show progress on stderr (`hybrid_cache.tools.progress.Progress`).
 
     Returns:
         A :class:`PerplexityResult`.

@@ -14,7 +14,7 @@ The numbers are what the caches report, not a formula of their own:
   equal to `memory_report().kv_bytes` after `generate` (the report's `total_bytes` adds the fixed mode's 8-byte
   counters and, right after a speculative step, the window kept to undo it).
 - `DynamicCache` / `StaticCache`: built from the config; their layer classes decide the slots (tested equal to
-  `hybrid_cache.compare.kv_bytes_held`, which counts the storages they keep alive).
+  `hybrid_cache.tools.compare.kv_bytes_held`, which counts the storages they keep alive).
 - full cache: every layer that stores K/V keeps every token (`memory_report().full_cache_bytes`).
 
 Scenario: a prompt of `prompt_length` tokens in one step, then one-token steps up to `context_length` tokens (the cache

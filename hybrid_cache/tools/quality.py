@@ -51,7 +51,8 @@ def evaluate_against_reference(
     Args:
         model: a causal LM with a `.model` base (transformers `*ForCausalLM`).
         input_ids: `[T]` or `[1, T]` token ids (batch size 1).
-        cache_names: caches to compare (names of `hybrid_cache.compare.CACHE_NAMES`; `reference` may be among them).
+        cache_names: caches to compare (names of `hybrid_cache.tools.compare.CACHE_NAMES`; `reference` may be
+            among them).
         reference: the exact cache the distributions are compared against.
         chunk_size: tokens per forward.
         logits_slice: positions per log-softmax slice (peak extra memory about `3 x slice x vocab x 4` bytes).

@@ -106,7 +106,7 @@ def run_prefill_benchmark(
         model: the causal LM (its dtype is `dtype`).
         contexts: prompt lengths (tokens).
         chunks: prefill chunk sizes (a chunk larger than the context is one forward).
-        caches: names of `hybrid_cache.compare.CACHE_NAMES`.
+        caches: names of `hybrid_cache.tools.compare.CACHE_NAMES`.
         reps: repetitions per (context, chunk).
         meter: records the load during each row's runs (default: one for torch's threads).
     """

@@ -102,7 +102,7 @@ def build_tiny_model(
 
 def load_bench_model(name: str, dtype: torch.dtype, window: int | None = None, device: str = "cpu") -> Any:
     """A name of `TINY_MODELS` -> :func:`build_tiny_model` with that geometry (`window` overrides its window);
-    anything else -> :func:`hybrid_cache.models.load_model` (``default`` = the embedded Gemma 3 270M).
+    anything else -> :func:`hybrid_cache.tools.models.load_model` (``default`` = the embedded Gemma 3 270M).
 
     Models are loaded with attention implementation ``"hybrid_cache_sdpa"``: transformers' SDPA for every call
     except the decode steps of compressed full layers, which attend on their codes (`hybrid_cache.code_attention`;

@@ -46,7 +46,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    names = list(compare.CACHE_NAMES)  # read now: names registered in hybrid_cache.compare are benchmarked too
+    names = list(compare.CACHE_NAMES)  # read now: names registered in hybrid_cache.tools.compare are benchmarked too
     p = argparse.ArgumentParser(
         prog="hybrid-cache-bench",
         formatter_class=_HelpFormatter,
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="default",
-        help="'default' (embedded Gemma 3 270M via hybrid_cache.models.load_model), "
+        help="'default' (embedded Gemma 3 270M via hybrid_cache.tools.models.load_model), "
         + ", ".join(
             f"'{n}' (random, {g.source}'s K/V geometry: {g.kv_heads} KV heads x {g.head_dim}, "
             f"window {g.window}, {g.layers} layers)"
