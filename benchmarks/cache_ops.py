@@ -19,7 +19,7 @@ import torch
 from transformers import Gemma3TextConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from hybrid_cache.compare import make_cache
+from hybrid_cache.tools.compare import make_cache
 
 LAYERS, HEAD_DIM, HIDDEN = 6, 256, 64
 

@@ -19,8 +19,8 @@ import argparse
 import sys
 
 from hybrid_cache.code_attention import CODE_ATTENTION
-from hybrid_cache.perplexity import main as perplexity_main
 from hybrid_cache.quantized import QuantizedFullLayer
+from hybrid_cache.tools.cli.perplexity import main as perplexity_main
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 
 import sys
 
-from hybrid_cache.bench import main
+from hybrid_cache.tools.cli.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

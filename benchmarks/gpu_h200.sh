@@ -27,7 +27,7 @@
 # (pure-Python wheels such as transformers match any platform; torch+CUDA only if the machine lacks it, matching its
 # driver). They are installed below with `pip install --no-index --no-deps --target /tmp/site` and put first on
 # PYTHONPATH. Alternatively set HYBRID_CACHE_HOME to a directory holding an already converted checkpoint
-# (hybrid_cache.models: converted/<stem>-<sha16>/), or MODEL to a local transformers checkpoint directory.
+# (hybrid_cache.tools.models: converted/<stem>-<sha16>/), or MODEL to a local transformers checkpoint directory.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -75,7 +75,7 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.
 if device.startswith("cuda"):
     assert torch.cuda.is_available(), "torch sees no CUDA device"
     print("device:", torch.cuda.get_device_name(device))
-from hybrid_cache import bench
+from hybrid_cache.tools import bench
 start = time.perf_counter()
 model = bench.load_bench_model(model_name, bench.DTYPES[dtype], 512, device=device)
 print(f"model {model_name} loaded on {device} in {time.perf_counter() - start:.1f} s")
@@ -107,7 +107,7 @@ with open(os.path.join(out_dir, "all.json"), "w") as f:
     json.dump(runs, f, indent=1)
 with open(os.path.join(out_dir, "summary.txt"), "w") as f:
     f.write("\n".join(lines) + "\n")
-from hybrid_cache.bench import BenchResult, plot_results
+from hybrid_cache.tools.bench import BenchResult, plot_results
 fields = set(BenchResult.__dataclass_fields__)
 compiled = [BenchResult(**{k: v for k, v in r.items() if k in fields}) for name, data in runs.items()
             if name.startswith("compiled_") for r in data.get("results", [])]

@@ -44,8 +44,8 @@ def capture(tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     """`(queries, keys, values, scaling)` of every full-attention layer, as its attention function receives them."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from hybrid_cache.models import load_model
-    from hybrid_cache.text import load_text
+    from hybrid_cache.tools.models import load_model
+    from hybrid_cache.tools.text import load_text
 
     model, tokenizer = load_model()
     text, _ = load_text()

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConf
 from transformers.distributed import DistributedConfig
 
 from hybrid_cache import HybridRingCache, cache_kwargs
-from hybrid_cache.planner import plan_kv_memory
+from hybrid_cache.tools.planner import plan_kv_memory
 
 
 def tiny_checkpoint() -> Path:

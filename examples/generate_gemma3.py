@@ -30,8 +30,8 @@ from hybrid_cache import (
     HybridRingCache,  # noqa: E402
     cache_kwargs,
 )
-from hybrid_cache.compare import full_cache_bytes_per_token, kv_bytes_held  # noqa: E402
-from hybrid_cache.progress import Progress  # noqa: E402
+from hybrid_cache.tools.compare import full_cache_bytes_per_token, kv_bytes_held  # noqa: E402
+from hybrid_cache.tools.progress import Progress  # noqa: E402
 
 
 class KVRecorder(LogitsProcessor):
@@ -146,8 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-compare", action="store_true", help="skip the DynamicCache run")
     args = parser.parse_args(argv)
 
-    from hybrid_cache.models import load_model
-    from hybrid_cache.text import load_text
+    from hybrid_cache.tools.models import load_model
+    from hybrid_cache.tools.text import load_text
 
     t0 = time.perf_counter()
     try:

@@ -52,9 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from hybrid_cache import HybridRingCache, read_metadata
-    from hybrid_cache.models import load_model
-    from hybrid_cache.prefix import prefill, time_to_first_token
-    from hybrid_cache.text import load_text
+    from hybrid_cache.tools.models import load_model
+    from hybrid_cache.tools.prefix import prefill, time_to_first_token
+    from hybrid_cache.tools.text import load_text
 
     model, tokenizer = load_model(args.model)
     text, description = load_text(args.text)

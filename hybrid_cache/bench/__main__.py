@@ -1,7 +1,7 @@
-"""``python -m hybrid_cache.bench``: see ``hybrid_cache.bench.cli``."""
+"""``python -m hybrid_cache.bench``: the benchmark's command line (`hybrid_cache.tools.cli.bench`)."""
 
 import sys
 
-from .cli import main
+from hybrid_cache.tools.cli.bench import main
 
 sys.exit(main())

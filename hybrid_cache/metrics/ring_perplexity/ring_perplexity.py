@@ -9,7 +9,7 @@
 
 Unlike `evaluate`'s own `perplexity` (loaded from the Hub, and truncating each text to the model's `max_length`
 in one forward), every text is scored whole: streamed through one ring in `chunk_size`-token forwards, the memory of
-the ring, the result of one full forward without a cache (`hybrid_cache.perplexity.evaluate_perplexity`).
+the ring, the result of one full forward without a cache (`hybrid_cache.tools.perplexity.evaluate_perplexity`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import datasets
 import evaluate
 import torch
 
-from hybrid_cache.perplexity import evaluate_perplexity
+from hybrid_cache.tools.perplexity import evaluate_perplexity
 
 _DESCRIPTION = (
     "Perplexity of each text (exp of the mean next-token negative log-likelihood, the first token given the BOS token "
@@ -27,7 +27,7 @@ _DESCRIPTION = (
 _INPUTS = """
 Args:
     predictions (`list[str]`): the texts to score.
-    model: a causal LM (transformers `*ForCausalLM`); default: the embedded Gemma 3 270M (`hybrid_cache.models`).
+    model: a causal LM (transformers `*ForCausalLM`); default: the embedded Gemma 3 270M (`hybrid_cache.tools.models`).
     tokenizer: its tokenizer (required with `model`).
     chunk_size (`int`, defaults to 512): tokens per forward.
     add_start_token (`bool`, defaults to True): prepend the tokenizer's BOS token, so the first token is scored too.
@@ -49,7 +49,7 @@ class RingPerplexity(evaluate.Metric):
 
     def _compute(self, predictions, model=None, tokenizer=None, chunk_size: int = 512, add_start_token: bool = True):
         if model is None:
-            from hybrid_cache.models import load_model
+            from hybrid_cache.tools.models import load_model
 
             model, tokenizer = load_model()
         if tokenizer is None:

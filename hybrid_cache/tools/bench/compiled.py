@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from hybrid_cache import cache_kwargs
+
 from ..compare import kv_bytes_held, make_cache
-from ..compat import cache_kwargs
 from .instrument import count_update_copy_bytes
 from .machine import sync
 from .workload import PrefillSource, step_inputs, synthesize_prefill

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ..code_attention import CODE_ATTENTION
+from hybrid_cache.code_attention import CODE_ATTENTION
+
 from ..compare import layer_kv_geometry, text_config
 
 __all__ = [
@@ -101,7 +102,7 @@ def build_tiny_model(
 
 def load_bench_model(name: str, dtype: torch.dtype, window: int | None = None, device: str = "cpu") -> Any:
     """A name of `TINY_MODELS` -> :func:`build_tiny_model` with that geometry (`window` overrides its window);
-    anything else -> :func:`hybrid_cache.models.load_model` (``default`` = the embedded Gemma 3 270M).
+    anything else -> :func:`hybrid_cache.tools.models.load_model` (``default`` = the embedded Gemma 3 270M).
 
     Models are loaded with attention implementation ``"hybrid_cache_sdpa"``: transformers' SDPA for every call
     except the decode steps of compressed full layers, which attend on their codes (`hybrid_cache.code_attention`;
@@ -116,7 +117,7 @@ def load_bench_model(name: str, dtype: torch.dtype, window: int | None = None, d
             query_heads=g.query_heads,
             kv_heads=g.kv_heads,
         ).to(device)
-    from hybrid_cache.models import load_model  # lazy: only the real-model path needs it
+    from hybrid_cache.tools.models import load_model  # lazy: only the real-model path needs it
 
     model, _ = load_model(None if name in ("default", "") else name, dtype=dtype, attn_implementation=CODE_ATTENTION)
     return model.eval().to(device)

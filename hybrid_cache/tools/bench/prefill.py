@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from hybrid_cache import cache_kwargs
+
 from ..compare import kv_bytes_held, make_cache, peak_rss_bytes, text_config
-from ..compat import cache_kwargs
 from .instrument import CacheOpTimer
 from .machine import Contention, ContentionMeter, RssSampler, current_rss_bytes, sync
 
@@ -105,7 +106,7 @@ def run_prefill_benchmark(
         model: the causal LM (its dtype is `dtype`).
         contexts: prompt lengths (tokens).
         chunks: prefill chunk sizes (a chunk larger than the context is one forward).
-        caches: names of `hybrid_cache.compare.CACHE_NAMES`.
+        caches: names of `hybrid_cache.tools.compare.CACHE_NAMES`.
         reps: repetitions per (context, chunk).
         meter: records the load during each row's runs (default: one for torch's threads).
     """

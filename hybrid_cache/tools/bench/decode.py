@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from hybrid_cache import cache_kwargs
+
 from ..compare import QUANTIZED_CACHES, kv_bytes_held, make_cache, text_config
-from ..compat import cache_kwargs
 from .compiled import COMPILEABLE_CACHES, CompileOptions, compiled_decode_once, new_compiled
 from .instrument import CacheOpTimer, count_update_copy_bytes
 from .machine import Contention, ContentionMeter, sync

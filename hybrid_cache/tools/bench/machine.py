@@ -1,10 +1,10 @@
 """The machine a benchmark runs on: what it is (CPU, memory, versions, copy bandwidth), what the process holds (RSS),
 and whether other work competed for its CPUs while a measurement ran (load).
 
-Timings are only as good as the machine's quiet: on 2 cores shared with other jobs, 2 OpenMP threads wait on each other
-and a decode step can read 3-9x slower, for every cache alike but not by the same factor. So every measurement records
-how much CPU *other* processes used on this process' CPUs while it ran (from ``/proc/stat``, minus this process' own CPU
-time), and rows measured under competition are flagged.
+Timings are only as good as the machine's quiet: on cores shared with other jobs, OpenMP threads wait on each other and
+a decode step reads slower, for every cache alike but not by the same factor (docs/benchmarks.md). So every measurement
+records how much CPU *other* processes used on this process' CPUs while it ran (from ``/proc/stat``, minus this
+process' own CPU time), and rows measured under competition are flagged.
 """
 
 from __future__ import annotations

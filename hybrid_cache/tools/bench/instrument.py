@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hybrid_cache import cache_kwargs
+
 from ..compare import text_config
-from ..compat import cache_kwargs
 
 __all__ = ["MASK_FUNCTION_NAMES", "CacheOpTimer", "count_update_copy_bytes"]
 

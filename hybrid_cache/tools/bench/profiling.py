@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
+from hybrid_cache import cache_kwargs
+
 from ..compare import make_cache, text_config
-from ..compat import cache_kwargs
 from .workload import random_prefill, step_inputs, synthesize_prefill
 
 __all__ = ["profile_decode", "profile_prefill"]

