@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, StaticCache
 
-from hybrid_cache import HybridRingCache
-from hybrid_cache.compat import kv_sharing_modes
+from hybrid_cache import HybridRingCache, specs
 
 __all__ = [
     "CACHE_NAMES",
@@ -51,9 +50,8 @@ EXACT_CACHE_NAMES = ("ring", "dynamic", "static")
 
 
 def text_config(model_or_config: Any) -> Any:
-    """The decoder text config of a model or config (composite configs: their text part)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    return config.get_text_config(decoder=True)
+    """The decoder text config of a model or config (composite configs: their text part; `specs.text_config`)."""
+    return specs.text_config(getattr(model_or_config, "config", model_or_config))
 
 
 def make_cache(name: str, model_or_config: Any, max_cache_len: int, *, compileable: bool = False) -> Any:
@@ -109,24 +107,16 @@ def _ring_with_transformers_fp8(config: Any, compileable: bool) -> HybridRingCac
 
 
 def layer_kv_geometry(model_or_config: Any) -> list[tuple[int, int] | None]:
-    """`(kv_heads, head_dim)` of every layer, `None` for KV-shared layers (they store nothing).
+    """`(kv_heads, head_dim)` of every layer, `None` for layers that store nothing (KV-shared: they reuse an earlier
+    layer's keys and values).
 
-    Read per layer (Gemma 4's configs are heterogeneous: global and sliding layers have different head sizes and KV
-    heads, and reading the global attribute raises).
+    The layers' specifications (`hybrid_cache.specs.layer_specs`): per layer, since Gemma 4's configs are
+    heterogeneous (global and sliding layers have different head sizes and KV heads).
     """
-    config = text_config(model_or_config)
-    per_layer = getattr(config, "per_layer_config", None) or [config] * config.num_hidden_layers
-    sharing = kv_sharing_modes(config) or [None] * config.num_hidden_layers
-    geometry = []
-    for layer_config, mode in zip(per_layer, sharing):
-        if mode == "reuse":
-            geometry.append(None)
-            continue
-        query_heads = layer_config.num_attention_heads
-        kv_heads = getattr(layer_config, "num_key_value_heads", None) or query_heads
-        head_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // query_heads
-        geometry.append((kv_heads, head_dim))
-    return geometry
+    return [
+        (spec.kv_heads, spec.head_dim) if spec.stores else None
+        for spec in specs.layer_specs(text_config(model_or_config))
+    ]
 
 
 def full_cache_bytes_per_token(model_or_config: Any, dtype: torch.dtype) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hybrid_cache import cache_kwargs
+from hybrid_cache import cache_kwargs, specs
 
 from . import compare
 from .compare import kv_bytes_held, peak_rss_bytes, text_config
@@ -106,12 +106,9 @@ def kv_bytes(cache: Any) -> int:
 
 
 def has_sliding_layers(config: Any) -> bool:
-    """Whether the model has any sliding-window attention layers (otherwise a ring cache saves nothing)."""
-    cfg = text_config(config)
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types:
-        return any("sliding" in lt for lt in layer_types)
-    return getattr(cfg, "sliding_window", None) is not None
+    """Whether the model has any sliding-window attention layers (otherwise a ring cache saves nothing): a model or
+    its config (`hybrid_cache.specs.has_sliding_layers`)."""
+    return specs.has_sliding_layers(text_config(config))
 
 
 def make_cache(name: str, model: Any, max_tokens: int) -> Any:

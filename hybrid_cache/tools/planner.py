@@ -37,6 +37,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from hybrid_cache.cache import OTHER_STAGE, HybridRingCache
 from hybrid_cache.compat import DummyLayer
 from hybrid_cache.distributed import pipeline_layer_range
+from hybrid_cache.specs import text_config
 
 from .compare import layer_kv_geometry
 
@@ -432,7 +433,7 @@ def plan_kv_memory(
         raise ValueError(f"max_cache_len={max_cache_len} cannot hold a context of {context_length} tokens.")
     if tp_size < 1 or pp_size < 1:
         raise ValueError(f"tp_size and pp_size must be >= 1, got {tp_size} and {pp_size}.")
-    text = config.get_text_config(decoder=True)
+    text = text_config(config)
     geometry = _per_rank_geometry(text, tp_size)
     num_layers = text.num_hidden_layers
     stage_layers = [list(pipeline_layer_range(stage, pp_size, num_layers)) for stage in range(pp_size)]

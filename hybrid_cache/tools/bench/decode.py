@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from hybrid_cache import cache_kwargs
+from hybrid_cache.specs import declared_window
 
 from ..compare import QUANTIZED_CACHES, kv_bytes_held, make_cache, text_config
 from .compiled import COMPILEABLE_CACHES, CompileOptions, compiled_decode_once, new_compiled
@@ -283,7 +284,7 @@ def run_benchmark(
                     batch=batch,
                     dtype=dtype_name,
                     model=model_name,
-                    window=getattr(config, "sliding_window", None),
+                    window=declared_window(config),
                     steps=steps,
                     reps=reps,
                     ms_per_token_median=median,

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_cache import cache_kwargs
+from hybrid_cache.specs import SLIDING, layer_specs
 
 from ..compare import text_config
 
@@ -44,8 +45,7 @@ class CacheOpTimer:
 
     @contextlib.contextmanager
     def instrument(self, model: Any, cache: Any) -> Iterator[CacheOpTimer]:
-        config = text_config(model)
-        layer_types = getattr(config, "layer_types", None) or []
+        sliding = {spec.index for spec in layer_specs(text_config(model)) if spec.kind == SLIDING}
         original_update = cache.update
         timer = self
 
@@ -54,7 +54,7 @@ class CacheOpTimer:
             out = original_update(key_states, value_states, layer_idx, *args, **kwargs)
             timer.update_s += time.perf_counter() - start
             timer.update_calls += 1
-            if layer_idx < len(layer_types) and layer_types[layer_idx] == "sliding_attention":
+            if layer_idx in sliding:
                 timer.max_sliding_returned = max(timer.max_sliding_returned, out[0].shape[-2])
             return out
 

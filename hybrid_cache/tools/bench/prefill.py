@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hybrid_cache import cache_kwargs
+from hybrid_cache.specs import declared_window
 
 from ..compare import kv_bytes_held, make_cache, peak_rss_bytes, text_config
 from .instrument import CacheOpTimer
@@ -150,7 +151,7 @@ def run_prefill_benchmark(
                     kv_bytes=held[cache_name],
                     batch=batch,
                     model=model_name,
-                    window=getattr(config, "sliding_window", None),
+                    window=declared_window(config),
                     reps=reps,
                     prefill_ms=[round(t, 2) for t in times[cache_name]],
                     max_abs_logit_diff=diff,
@@ -202,7 +203,7 @@ def prefill_chunk_check(
     sliding_caps = [
         layer.capacity for layer, kind in zip(cache.layers, cache.layer_kinds) if kind == "sliding_attention"
     ]
-    window = getattr(config, "sliding_window", None)
+    window = declared_window(config)
     report = cache.memory_report()
     bound = (max(sliding_caps) if sliding_caps else 0) + chunk_size
     return {

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hybrid_cache.code_attention import CODE_ATTENTION
+from hybrid_cache.specs import SLIDING, layer_specs
 
 from ..compare import layer_kv_geometry, text_config
 
@@ -167,18 +168,16 @@ def step_inputs(
 
 
 def live_kv_bytes(model: Any, batch: int, length: int, dtype: torch.dtype) -> int:
-    """K/V bytes the attention must read in one decode step at cache length `length` (window-limited)."""
-    config = text_config(model)
+    """K/V bytes the attention must read in one decode step at cache length `length` (window-limited), from the
+    layers' specifications (`hybrid_cache.specs.layer_specs`): `min(length, window)` tokens in sliding layers,
+    `length` in the other storing layers, nothing in KV-shared layers."""
     element = torch.empty((), dtype=dtype).element_size()
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
     total = 0
-    for layer_type, geometry in zip(layer_types, layer_kv_geometry(model)):
-        if geometry is None:
+    for spec in layer_specs(text_config(model)):
+        if not spec.stores:
             continue
-        heads, head_dim = geometry
-        tokens = min(length, window) if (layer_type == "sliding_attention" and window) else length
-        total += 2 * batch * heads * head_dim * element * tokens
+        tokens = min(length, spec.window) if spec.kind == SLIDING else length
+        total += 2 * batch * spec.kv_heads * spec.head_dim * element * tokens
     return total
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from hybrid_cache.specs import declared_window
+
 from .. import compare
 from ..bench.compiled import CompileOptions
 from ..bench.decode import BenchResult, run_benchmark
@@ -237,7 +239,7 @@ def _models(args: argparse.Namespace, device: str):
             config = text_config(model)
             _log(
                 f"model {args.model} {dtype_name}: {config.num_hidden_layers} layers, window "
-                f"{getattr(config, 'sliding_window', None)}, weights {parameter_bytes(model) / 2**20:.0f} MiB"
+                f"{declared_window(config)}, weights {parameter_bytes(model) / 2**20:.0f} MiB"
             )
             yield dtype_name, dtype, window, model
             del model

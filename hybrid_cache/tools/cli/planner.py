@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from transformers.configuration_utils import PreTrainedConfig
 
-from hybrid_cache import HybridRingCache
+from hybrid_cache.specs import FULL, SHARED, SLIDING, layer_specs, text_config
 
 from ..compare import layer_kv_geometry
 from ..planner import CACHE_LABELS, PRESETS, KVPlan, load_config, max_context_length, plan_kv_memory
@@ -52,17 +52,17 @@ def _size(nbytes: int) -> str:
 
 
 def _describe(config: PreTrainedConfig, tp_size: int) -> str:
-    text = config.get_text_config(decoder=True)
-    ring = HybridRingCache(text)
+    text = text_config(config)
+    specs = layer_specs(text)
     geometry = layer_kv_geometry(text)
     parts = []
-    for kind in ("sliding_attention", "full_attention", "shared"):
-        indices = [i for i, k in enumerate(ring.layer_kinds) if k == kind]
+    for kind in (SLIDING, FULL, SHARED):
+        indices = [spec.index for spec in specs if spec.storage_kind == kind]
         if not indices:
             continue
         shapes = sorted({geometry[i] for i in indices if geometry[i] is not None})
         shape_text = ", ".join(f"{heads}x{dim}" for heads, dim in shapes)
-        window = f" window {ring.layers[indices[0]].sliding_window}" if kind == "sliding_attention" else ""
+        window = f" window {specs[indices[0]].window}" if kind == SLIDING else ""
         parts.append(f"{len(indices)} {kind}{window}" + (f" (KV heads x head size {shape_text})" if shapes else ""))
     per_rank = f", {tp_size} tensor-parallel ranks" if tp_size > 1 else ""
     return f"{type(text).__name__}, {text.num_hidden_layers} layers: " + "; ".join(parts) + per_rank
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give a preset, a config.json or a model directory (or --list-presets)")
     try:
         config = load_config(args.model)
-        text = config.get_text_config(decoder=True)
+        text = text_config(config)
         context = args.context or text.max_position_embeddings
         max_cache_len = context if args.fixed else args.max_cache_len
         options = dict(
