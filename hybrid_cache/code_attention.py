@@ -10,9 +10,12 @@ computes the same attention on the codes instead:
   one constant per query, and the per-token group scales factor out of each group's dot product. The calibrated
   query is quantized to int8 per (query, group) (llama.cpp's Q8 K.Q; `query_parts=2` adds a second int8 part for
   the residual, about 15 bits), and each group's dot products are exact int32 products of codes (`torch._int_mm`
-  with a block-diagonal query matrix, one call per batch row and KV head, on the codes as stored: no copy of the
-  int8 history). With the Hadamard rotation, the query is rotated instead of the keys (`H` is symmetric and
-  orthogonal). The step's own keys are exact, as in the dequantizing path.
+  with a block-diagonal query matrix, one call per batch row, KV head and tile of `KEY_TILE` tokens, on the codes
+  as stored: no copy of the int8 history; int4 bytes are unpacked per batch row and tile, in two whole-tile integer
+  operations, into `16 * nibble`, whose factor 16 goes into the query's scale). Each tile's products are multiplied
+  by their tokens' group scales and summed over groups with the query's group scales as weights. With the Hadamard
+  rotation, the query is rotated instead of the keys (`H` is symmetric and orthogonal). The step's own keys are
+  exact, as in the dequantizing path.
 - **Softmax** in float32, with the model's mask (`[batch | 1, 1, q, kv]` boolean or additive), scaling and soft-cap.
 - **Values.** `sum_t p_t * v_t` with `v_t = s_(t,g) * c_t`: tiles of `VALUE_TILE` tokens are cast to float32,
   multiplied by their group scales and multiplied by the probabilities, accumulating in float32. At no point is the
