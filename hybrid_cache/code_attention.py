@@ -10,9 +10,12 @@ computes the same attention on the codes instead:
   one constant per query, and the per-token group scales factor out of each group's dot product. The calibrated
   query is quantized to int8 per (query, group) (llama.cpp's Q8 K.Q; `query_parts=2` adds a second int8 part for
   the residual, about 15 bits), and each group's dot products are exact int32 products of codes (`torch._int_mm`
-  with a block-diagonal query matrix, one call per batch row and KV head, on the codes as stored: no copy of the
-  int8 history). With the Hadamard rotation, the query is rotated instead of the keys (`H` is symmetric and
-  orthogonal). The step's own keys are exact, as in the dequantizing path.
+  with a block-diagonal query matrix, one call per batch row, KV head and tile of `KEY_TILE` tokens, on the codes
+  as stored: no copy of the int8 history; int4 bytes are unpacked per batch row and tile, in two whole-tile integer
+  operations, into `16 * nibble`, whose factor 16 goes into the query's scale). Each tile's products are multiplied
+  by their tokens' group scales and summed over groups with the query's group scales as weights. With the Hadamard
+  rotation, the query is rotated instead of the keys (`H` is symmetric and orthogonal). The step's own keys are
+  exact, as in the dequantizing path.
 - **Softmax** in float32, with the model's mask (`[batch | 1, 1, q, kv]` boolean or additive), scaling and soft-cap.
 - **Values.** `sum_t p_t * v_t` with `v_t = s_(t,g) * c_t`: tiles of `VALUE_TILE` tokens are cast to float32,
   multiplied by their group scales and multiplied by the probabilities, accumulating in float32. At no point is the
@@ -72,8 +75,8 @@ CODE_ATTENTION_MODES = ("int8", "int4")
 MAX_CODE_QUERY_LENGTH = 16
 # Tokens of history cast to float32 at a time for the value product (a tile of batch x heads x VALUE_TILE x head_dim).
 VALUE_TILE = 1024
-# Tokens of int4 key history unpacked to int8 at a time for the score products.
-INT4_KEY_TILE = 4096
+# Tokens of key history per score tile (int4 codes are unpacked to int8 one batch row of one tile at a time).
+KEY_TILE = 4096
 _QUERY_LEVELS = 127.0
 _RESIDUAL_LEVELS = 254.0
 
@@ -171,6 +174,20 @@ def _int_codes(codes: torch.Tensor, mode: str) -> torch.Tensor:
     return _unpack_int4(codes) if mode == "int4" else codes
 
 
+def _scaled_codes(codes: torch.Tensor, mode: str, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """The codes as int8 `[..., D]` and the factor they carry: int8 codes as stored (factor 1, no copy); int4 nibbles
+    unpacked in two whole-tensor operations as `16 * nibble` (factor 16: the low nibble shifted into the high half
+    of the byte, the high nibble masked in place, both exact in int8)."""
+    if mode != "int4":
+        return codes, 1
+    half = codes.shape[-1]
+    if out is None:
+        out = torch.empty((*codes.shape[:-1], 2 * half), dtype=torch.int8, device=codes.device)
+    torch.bitwise_left_shift(codes, 4, out=out[..., :half])
+    torch.bitwise_and(codes, -16, out=out[..., half:])
+    return out, 16
+
+
 def _quantize_query(grouped: torch.Tensor, parts: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """`[..., G, g]` float32 -> `parts` int8 tensors of the same shape and the scale `[..., G, 1]`, such that
     `grouped ~ scale * (codes[0] + codes[1] / 254)`."""
@@ -209,30 +226,41 @@ def _history_scores(grouped: torch.Tensor, history: CompressedHistory, parts: in
     block = torch.zeros((batch, heads, groups, group, parts, groups, m), dtype=torch.int8, device=grouped.device)
     torch.diagonal(block, dim1=2, dim2=5).copy_(torch.stack(codes, dim=-1).permute(0, 1, 4, 5, 2, 3))
     block = block.view(batch, heads, groups * group, parts * groups * m)
-    products = torch.empty((batch, heads, length, parts * groups * m), dtype=torch.int32, device=grouped.device)
-    tile = length if history.mode == "int8" else INT4_KEY_TILE
+    query_scale = query_scale.squeeze(-1)  # [b, h, m, G]
+    if history.mode == "int4":
+        query_scale = query_scale / 16  # the unpacked nibbles carry a factor 16 (`_scaled_codes`)
+    if parts == 2:
+        query_scale = query_scale / _RESIDUAL_LEVELS
+    # The sum over groups weighted by the query's group scales, as one small matrix product per tile:
+    # [tile, G * m] @ [G * m, m] with the query scales on the diagonal blocks.
+    query_weights = torch.diag_embed(query_scale.transpose(-1, -2)).flatten(2, 3)  # [b, h, G * m, m]
+    key_scales = history.key_scales.float().unsqueeze(-1)  # [b, h, L, G, 1]
+    scores = torch.empty((batch, heads, length, m), dtype=torch.float32, device=grouped.device)
+    tile = min(KEY_TILE, length)
+    products = torch.empty((batch, heads, tile, parts * groups * m), dtype=torch.int32, device=grouped.device)
+    weighted = torch.empty((batch, heads, tile, groups, m), dtype=torch.float32, device=grouped.device)
+    unpacked = None
+    if history.mode == "int4":
+        unpacked = torch.empty((tile, groups * group), dtype=torch.int8, device=grouped.device)
     for start in range(0, length, tile):
         end = min(start + tile, length)
-        tile_codes = _int_codes(history.key_codes[:, :, start:end], history.mode)
+        size = end - start
         for row in range(batch):
             for head in range(heads):
-                torch._int_mm(tile_codes[row, head], block[row, head], out=products[row, head, start:end])
-    if parts == 2:
-        # |one group's product| <= group * 127 * 127, times 254 stays below 2**31 for groups up to 512 channels.
-        split = products.view(batch, heads, length, 2, groups * m)
-        products = split[..., 0, :].mul(int(_RESIDUAL_LEVELS)).add_(split[..., 1, :])
-        query_scale = query_scale / _RESIDUAL_LEVELS
-    # Token-last float32 layout [b, h, G, m, L] (one transposing conversion), so that the per-group weighting below
-    # runs over long contiguous rows instead of [G x m] blocks per token.
-    grouped_products = torch.empty((batch, heads, groups, m, length), dtype=torch.float32, device=grouped.device)
-    grouped_products.copy_(products.view(batch, heads, length, groups, m).permute(0, 1, 3, 4, 2))
-    key_scales = history.key_scales.transpose(-1, -2).float()  # [b, h, G, L]
-    query_scale = query_scale.squeeze(-1)  # [b, h, m, G]
-    scores = grouped_products[:, :, 0].mul_(query_scale[..., 0:1]).mul_(key_scales[:, :, 0:1])
-    for group_index in range(1, groups):
-        weighted = grouped_products[:, :, group_index].mul_(query_scale[..., group_index : group_index + 1])
-        scores.addcmul_(weighted, key_scales[:, :, group_index : group_index + 1])
-    return scores
+                codes_tile = history.key_codes[row, head, start:end]
+                if unpacked is not None:
+                    codes_tile, _ = _scaled_codes(codes_tile, "int4", unpacked[:size])
+                torch._int_mm(codes_tile, block[row, head], out=products[row, head, :size])
+        tile_products = products[:, :, :size]
+        if parts == 2:
+            # |one group's product| <= 512 * 127 * 128, times 254 stays below 2**31 for groups up to 512 channels.
+            split = tile_products.view(batch, heads, size, 2, groups * m)
+            tile_products = split[..., 0, :].mul(int(_RESIDUAL_LEVELS)).add_(split[..., 1, :])
+        # Each (token, group) product times the token's group scale (float32), then the weighted sum over groups.
+        tile_weighted = weighted[:, :, :size]
+        torch.mul(tile_products.view(batch, heads, size, groups, m), key_scales[:, :, start:end], out=tile_weighted)
+        torch.matmul(tile_weighted.view(batch, heads, size, groups * m), query_weights, out=scores[:, :, start:end])
+    return scores.transpose(-1, -2)
 
 
 def _history_values(probabilities: torch.Tensor, history: CompressedHistory) -> torch.Tensor:
@@ -241,14 +269,22 @@ def _history_values(probabilities: torch.Tensor, history: CompressedHistory) -> 
     head_dim = history.value_head_dim
     groups = history.value_scales.shape[-1]
     out = torch.zeros((batch, heads, m, head_dim), dtype=torch.float32, device=probabilities.device)
-    buffer = torch.empty(
-        (batch, heads, min(VALUE_TILE, length), head_dim), dtype=torch.float32, device=probabilities.device
-    )
+    size = min(VALUE_TILE, length)
+    buffer = torch.empty((batch, heads, size, head_dim), dtype=torch.float32, device=probabilities.device)
+    unpacked = None
+    if history.mode == "int4":
+        unpacked = torch.empty((batch, heads, size, head_dim), dtype=torch.int8, device=probabilities.device)
     for start in range(0, length, VALUE_TILE):
         end = min(start + VALUE_TILE, length)
+        codes, factor = _scaled_codes(
+            history.value_codes[:, :, start:end],
+            history.mode,
+            None if unpacked is None else unpacked[:, :, : end - start],
+        )
+        scales = history.value_scales[:, :, start:end].unsqueeze(-1)
         values = buffer[:, :, : end - start]
-        values.copy_(_int_codes(history.value_codes[:, :, start:end], history.mode))
-        values.unflatten(-1, (groups, head_dim // groups)).mul_(history.value_scales[:, :, start:end].unsqueeze(-1))
+        values.copy_(codes)
+        values.unflatten(-1, (groups, head_dim // groups)).mul_(scales if factor == 1 else scales / factor)
         out.add_(torch.matmul(probabilities[..., start:end], values))
     if history.value_rotation is not None:
         grouped = out.unflatten(-1, (groups, head_dim // groups))

@@ -97,6 +97,42 @@ def test_kernel_equals_the_dequantized_reference_with_the_same_query_rounding(se
         torch.testing.assert_close(actual.float(), expected.float(), rtol=0, atol=tolerance * expected.abs().max())
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_kernel_tiles_cover_the_history_whatever_its_length(seed, monkeypatch):
+    """Tiles of a few tokens (the real ones are thousands): histories of many tiles and a partial last tile give the
+    same result as one tile, for the scores (int4 unpacked per batch row and tile) and the values."""
+    case = random_case(seed) | {"history": random.Random(seed).randint(20, 300)}
+    handle_keys, _, _, _, query, mask, _ = build_step(case, seed)
+    history = handle_keys.history
+    whole = code_domain_attention(query, history, mask, softcap=case["softcap"], query_parts=2)
+    monkeypatch.setattr(code_attention, "KEY_TILE", random.Random(seed).randint(3, 17))
+    monkeypatch.setattr(code_attention, "VALUE_TILE", random.Random(seed + 1).randint(3, 17))
+    tiled = code_domain_attention(query, history, mask, softcap=case["softcap"], query_parts=2)
+    expected = reference_attention(query, history, mask, softcap=case["softcap"], query_parts=2)
+    tolerance = 1e-5 if case["dtype"] == torch.float32 else 2e-2
+    torch.testing.assert_close(tiled.float(), whole.float(), rtol=0, atol=tolerance * expected.abs().max())
+    torch.testing.assert_close(tiled.float(), expected.float(), rtol=0, atol=tolerance * expected.abs().max())
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_extreme_codes_do_not_overflow_the_integer_products(mode):
+    """The largest products the kernel can form: a 512-channel group of codes at the end of their range (int4 -8,
+    carried as -128 after unpacking; int8 -127) against a query at +-127 in both parts of a two-part query."""
+    d, length = 512, 40
+    layer = QuantizedFullLayer(mode, DequantWorkspace(), group_size=512, key_calibration=False)
+    keys = -torch.ones(1, 1, length, d)
+    keys[..., 1::2, :] = 1.0  # alternate -1 / +1 tokens: both ends of the code range
+    layer.update(keys, keys.clone())
+    query_keys = torch.ones(1, 1, 1, d)
+    handle_keys, _ = layer.update(query_keys, query_keys.clone(), return_codes=True)
+    query = torch.full((1, 1, 1, d), 3.0)
+    query[..., ::2] += 1.0 / 512  # a residual part that is not zero
+    for parts in (1, 2):
+        actual = code_domain_attention(query, handle_keys.history, None, query_parts=parts)
+        expected = reference_attention(query, handle_keys.history, None, query_parts=parts)
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_gemma4_full_layer_geometry(mode):
     """Gemma 4's full layers: one KV head of 512 channels (keys = values before the norms), 8 query heads."""
