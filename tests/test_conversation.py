@@ -17,7 +17,7 @@ import random
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB
+from builders import MODEL_BUILDERS, VOCAB
 from transformers import DynamicCache
 
 from hybrid_cache import ConversationMismatchError, HybridRingCache

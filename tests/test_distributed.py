@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import tiny_gemma3, tiny_gemma4
+from builders import tiny_gemma3, tiny_gemma4
 from transformers import AutoModelForCausalLM
 
 from hybrid_cache.distributed import pipeline_layer_range

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits, tiny_gemma3
+from builders import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits, tiny_gemma3
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from hybrid_cache import CacheCapacityError, HybridRingCache, RollbackError

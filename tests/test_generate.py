@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 import transformers
-from conftest import MODEL_BUILDERS, VOCAB, tiny_gemma3
+from builders import VOCAB, get_model, left_padded_batch, repetitive_prompt, tiny_gemma3
 from transformers import DynamicCache
 
 from hybrid_cache import HybridRingCache, RingSlidingLayer, RollbackError
@@ -40,18 +40,7 @@ PAD = 0
 FIRST_ID = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Tiny models: one thread is faster, and it keeps the file's wall time stable on shared 2-core machines.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@functools.cache
-def get_model(name: str):
-    return MODEL_BUILDERS[name](window=WINDOW)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: faster, stable wall time on 2 cores
 
 
 @functools.cache
@@ -70,16 +59,10 @@ def single_prompt(length: int = PROMPT_LEN, seed: int = 0) -> dict[str, torch.Te
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
 
-def left_padded_batch(lengths=(PROMPT_LEN + 3, 2, 10), seed: int = 10) -> dict[str, torch.Tensor]:
+def padded_prompts(lengths=(PROMPT_LEN + 3, 2, 10), seed: int = 10) -> dict[str, torch.Tensor]:
     """Prompts of different lengths, left-padded with id 0; the shortest has more padding than the window."""
-    width = max(lengths)
-    assert width - min(lengths) > WINDOW
-    input_ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
-    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = random_prompt(length, seed + row)
-        attention_mask[row, width - length :] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    assert max(lengths) - min(lengths) > WINDOW
+    return left_padded_batch([random_prompt(length, seed + row) for row, length in enumerate(lengths)])
 
 
 def make_cache(kind: str, model, **kwargs):
@@ -107,7 +90,7 @@ def generate(
     if seed is not None:
         torch.manual_seed(seed)
     if cache == "none" and not no_cache_forward_is_exact(model.config):
-        kwargs.update(cache_kwargs(make_cache("dynamic", model)))  # see conftest.no_cache_logits
+        kwargs.update(cache_kwargs(make_cache("dynamic", model)))  # see builders.no_cache_logits
     elif cache == "none":
         kwargs["use_cache"] = False
     elif isinstance(cache, str):
@@ -136,7 +119,7 @@ def ring_layers(cache: HybridRingCache) -> list[RingSlidingLayer]:
     return [layer for layer in cache.layers if isinstance(layer, RingSlidingLayer)]
 
 
-BATCHES = {"single": single_prompt, "left_padded": left_padded_batch}
+BATCHES = {"single": single_prompt, "left_padded": padded_prompts}
 
 
 # --- 1. greedy -------------------------------------------------------------------------------------------------------
@@ -211,12 +194,6 @@ def test_beams_and_return_sequences(model_name, case):
 
 
 # --- 4. assisted decoding / prompt lookup ----------------------------------------------------------------------------
-def repetitive_prompt() -> dict[str, torch.Tensor]:
-    pattern = [5, 17, 29, 41, 53, 65, 77]
-    input_ids = torch.tensor([pattern * 2 + pattern[:4]])  # 18 tokens, a repeated 7-gram
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-
-
 SPECULATIVE_CASES = {
     "assistant": (single_prompt, lambda: {"assistant_model": get_assistant()}),
     "prompt_lookup": (repetitive_prompt, lambda: {"prompt_lookup_num_tokens": 3}),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits, tiny_gemma3
+from builders import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits, tiny_gemma3
 from transformers import DynamicCache
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -153,7 +153,7 @@ def test_generate_after_inference_mode_prefill(model_name):
 CHILD = """
 import sys, torch, pickle
 sys.path.insert(0, {tests!r})
-from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits
+from builders import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits
 import hybrid_cache.mask_hook as mask_hook
 assert not mask_hook.is_mask_hook_installed("sdpa"), "a fresh process starts without the hook"
 model = MODEL_BUILDERS[{name!r}](window=4)

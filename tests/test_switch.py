@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import transformers
-from conftest import BOI_ID, EOI_ID, IMAGE_ID, VOCAB, random_images, tiny_gemma3, tiny_gemma3_multimodal, tiny_gemma4
+from builders import BOI_ID, EOI_ID, IMAGE_ID, VOCAB, random_images, tiny_gemma3, tiny_gemma3_multimodal, tiny_gemma4
 from transformers import DynamicCache
 
 import hybrid_cache
