@@ -286,9 +286,7 @@ def left_padded_batch(rows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
 def random_padded_batch(rng, batch: int, length: int, window: int) -> dict[str, torch.Tensor]:
     """Random tokens `[batch, length]`; row 0 unpadded, other rows left-padded by 0 .. 2 x window tokens (pad id 0).
     `rng` is a `random.Random`."""
-    input_ids = torch.randint(
-        3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(rng.randint(0, 10**6))
-    )
+    input_ids = tokens(length, batch, seed=rng.randint(0, 10**6))
     pads = [0] + [rng.randint(0, min(length - 1, 2 * window)) for _ in range(1, batch)]
     return left_padded_batch([row[pad:] for row, pad in zip(input_ids, pads)])
 

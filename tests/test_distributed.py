@@ -86,7 +86,7 @@ def torchrun(layout: str, dirs: list[Path], out: Path, nproc: int = 2, runs: str
         command[-len(dirs) : -len(dirs)] = ["--runs", runs]
     env = {
         **os.environ,
-        # The worktree's package, the scenarios, tests/builders.py first: an installed hybrid_cache must not shadow them.
+        # This checkout's package, scenarios and tests/builders.py first: an installed hybrid_cache must not shadow them.
         "PYTHONPATH": os.pathsep.join(
             [str(ROOT), str(WORKER_DIR), str(WORKER_DIR.parent), os.environ.get("PYTHONPATH", "")]
         ),
