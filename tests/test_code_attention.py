@@ -12,12 +12,11 @@
 from __future__ import annotations
 
 import copy
-import functools
 import random
 
 import pytest
 import torch
-from conftest import VOCAB, chunked_logits, tiny_gemma3, tiny_gemma4
+from builders import VOCAB, chunked_logits, get_model, prompt, repetitive_prompt, tiny_gemma3, tiny_gemma4
 from transformers import DynamicCache
 
 import hybrid_cache.code_attention as code_attention
@@ -254,9 +253,8 @@ WINDOW = 6
 BUILDERS = {"gemma3": tiny_gemma3, "gemma4": tiny_gemma4}
 
 
-@functools.cache
-def get_model(name: str):
-    return BUILDERS[name](window=WINDOW, attn=CODE_ATTENTION)
+def code_attention_model(name: str):
+    return get_model(name, window=WINDOW, attn=CODE_ATTENTION)
 
 
 def caches(model, mode: str, parts: int) -> tuple[HybridRingCache, HybridRingCache]:
@@ -266,19 +264,6 @@ def caches(model, mode: str, parts: int) -> tuple[HybridRingCache, HybridRingCac
         if isinstance(layer, QuantizedFullLayer):
             layer.code_query_parts = parts
     return codes, HybridRingCache(model.config, full_layer_quantization=mode, full_layer_code_attention=False)
-
-
-def prompt(batch: int = 1, length: int = 15, pad: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
-    input_ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-    attention_mask = torch.ones_like(input_ids)
-    if pad:
-        input_ids[-1, :pad], attention_mask[-1, :pad] = 0, 0
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-
-def repetitive_prompt() -> dict[str, torch.Tensor]:
-    input_ids = torch.tensor([[5, 17, 29, 41, 53, 65, 77] * 2 + [5, 17, 29, 41]])
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
 
 GENERATE_CASES = {
@@ -332,7 +317,7 @@ def test_generate_on_codes_equals_the_reference(model_name, mode, case, parts, c
     make_inputs, kwargs = GENERATE_CASES[case]
     if "assistant" in kwargs and model_name == "gemma4":
         pytest.skip("the tiny assistant is a Gemma 3 model; Gemma 4 is covered by prompt lookup")
-    model, inputs = get_model(model_name), make_inputs()
+    model, inputs = code_attention_model(model_name), make_inputs()
     on_codes, dequantizing = caches(model, mode, parts)
     tokens, logits = run_generate(model, inputs, on_codes, **kwargs)
     assert count_code_steps, "the compressed layers never attended on their codes"
@@ -354,7 +339,7 @@ def test_generate_on_codes_equals_the_reference(model_name, mode, case, parts, c
 @pytest.mark.parametrize("model_name", list(BUILDERS))
 def test_chunked_steps_mix_both_paths(model_name):
     """Prefill chunks (dequantizing) and decode steps of 1-3 tokens (codes), with left padding."""
-    model = get_model(model_name)
+    model = code_attention_model(model_name)
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
@@ -389,7 +374,7 @@ def test_switch_follows_the_model_and_is_reversible(count_code_steps):
 def test_other_caches_are_untouched_by_the_attention_function(model_name):
     """Exact caches (and the model without cache) give bit-identical logits with "hybrid_cache_sdpa" and "sdpa"."""
     ids = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
-    with_ours = get_model(model_name)
+    with_ours = code_attention_model(model_name)
     with_sdpa = BUILDERS[model_name](window=WINDOW, attn="sdpa")
     for make in (lambda m: HybridRingCache(m.config), lambda m: DynamicCache(config=m.config), lambda m: None):
         schedule = [10, 1, 1, 12]
@@ -426,7 +411,7 @@ def test_misuse_raises_clear_errors():
 
 
 def test_fixed_capacity_and_fp8_caches_keep_dequantizing_under_the_code_attention_model(count_code_steps):
-    model = get_model("gemma3")
+    model = code_attention_model("gemma3")
     for cache in (
         HybridRingCache(model.config, full_layer_quantization="int8", max_cache_len=64),
         HybridRingCache(model.config, full_layer_quantization="fp8"),

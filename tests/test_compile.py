@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from conftest import MODEL_BUILDERS, VOCAB
+from builders import MODEL_BUILDERS, VOCAB
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from hybrid_cache import HybridRingCache

@@ -17,17 +17,13 @@ import random
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB
+from builders import MODEL_BUILDERS, tokens
 from transformers import DynamicCache
 
 from hybrid_cache import ConversationMismatchError, HybridRingCache
 from hybrid_cache.compat import cache_kwargs
 
 GENERATE = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-
-
-def prompt(length: int, seed: int, rows: int = 1) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
 
 
 def snapshot(cache: HybridRingCache) -> list[tuple[int, torch.Tensor | None]]:
@@ -51,12 +47,12 @@ def test_generate_with_a_much_shorter_prompt_is_refused(model_name, one_thread):
         window = rng.randint(2, 6)
         model = MODEL_BUILDERS[model_name](window=window)
         cache = HybridRingCache(model.config)
-        first = prompt(rng.randint(2 * window, 4 * window), case)
+        first = tokens(rng.randint(2 * window, 4 * window), seed=case)
         with torch.no_grad():
             model.generate(input_ids=first, **cache_kwargs(cache), **GENERATE)
             held = cache.get_seq_length()
             before = snapshot(cache)
-            unrelated = prompt(rng.randint(1, held // 2), case + 100)
+            unrelated = tokens(rng.randint(1, held // 2), seed=case + 100)
             with pytest.raises(ConversationMismatchError, match="one conversation"):
                 model.generate(input_ids=unrelated, **cache_kwargs(cache), **GENERATE)
         assert_unchanged(before, cache)
@@ -68,15 +64,15 @@ def test_a_mask_shorter_than_the_cache_is_refused(model_name, one_thread):
     model = MODEL_BUILDERS[model_name](window=4)
     cache = HybridRingCache(model.config)
     with torch.no_grad():
-        model.generate(input_ids=prompt(9, 0, rows=2), **cache_kwargs(cache), **GENERATE)
+        model.generate(input_ids=tokens(9, 2, seed=0), **cache_kwargs(cache), **GENERATE)
         before = snapshot(cache)
-        padded = prompt(8, 1, rows=2)
+        padded = tokens(8, 2, seed=1)
         mask = torch.ones_like(padded)
         padded[1, :3], mask[1, :3] = 0, 0
         with pytest.raises(ConversationMismatchError, match="one conversation"):
             model.generate(input_ids=padded, attention_mask=mask, **cache_kwargs(cache), **GENERATE)
         assert_unchanged(before, cache)
-        new = prompt(5, 2, rows=2)
+        new = tokens(5, 2, seed=2)
         with pytest.raises(ConversationMismatchError, match="attention mask has 5 columns"):
             model(input_ids=new, attention_mask=torch.ones_like(new), **cache_kwargs(cache))
         assert_unchanged(before, cache)
@@ -87,7 +83,7 @@ def test_continuations_still_work(model_name, one_thread):
     """The whole conversation (cached tokens then new ones, padded or not), and `reset()` then a new prompt, give
     `DynamicCache`'s tokens (a new `DynamicCache` for the new prompt), also right after a refused call."""
     model = MODEL_BUILDERS[model_name](window=4)
-    first, follow = prompt(9, 0, rows=2), prompt(3, 1, rows=2)
+    first, follow = tokens(9, 2, seed=0), tokens(3, 2, seed=1)
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :2] = 0
     first[1, :2] = 0

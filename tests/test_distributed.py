@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import tiny_gemma3, tiny_gemma4
+from builders import tiny_gemma3, tiny_gemma4
 from transformers import AutoModelForCausalLM
 
 from hybrid_cache.distributed import pipeline_layer_range
@@ -86,8 +86,10 @@ def torchrun(layout: str, dirs: list[Path], out: Path, nproc: int = 2, runs: str
         command[-len(dirs) : -len(dirs)] = ["--runs", runs]
     env = {
         **os.environ,
-        # The worktree's package and the scenarios, first (an installed hybrid_cache must not shadow them).
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(WORKER_DIR), os.environ.get("PYTHONPATH", "")]),
+        # This checkout's package, scenarios and tests/builders.py first: an installed hybrid_cache must not shadow them.
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), str(WORKER_DIR), str(WORKER_DIR.parent), os.environ.get("PYTHONPATH", "")]
+        ),
         "HYBRID_CACHE_PG_TIMEOUT": PG_TIMEOUT,
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",

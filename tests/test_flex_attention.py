@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits
+from builders import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits
 
 from hybrid_cache import HybridRingCache, RingLayout
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_gemma4
+from builders import VOCAB, tiny_gemma4
 from transformers import DynamicCache, Gemma4TextConfig
 from transformers.models.gemma4_assistant import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 

@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 import transformers
-from conftest import MODEL_BUILDERS, VOCAB, tiny_gemma3
+from builders import get_model, left_padded_batch, prompt, repetitive_prompt, tiny_gemma3, tokens
 from transformers import DynamicCache
 
 from hybrid_cache import HybridRingCache, RingSlidingLayer, RollbackError
@@ -36,22 +36,9 @@ WINDOW = 6
 PROMPT_LEN = 15
 NEW_TOKENS = 30
 PAD = 0
-# Token ids 0..2 are pad / eos / bos: prompts use ids from 3 upwards.
-FIRST_ID = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Tiny models: one thread is faster, and it keeps the file's wall time stable on shared 2-core machines.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@functools.cache
-def get_model(name: str):
-    return MODEL_BUILDERS[name](window=WINDOW)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: faster, stable wall time on 2 cores
 
 
 @functools.cache
@@ -60,26 +47,10 @@ def get_assistant():
     return tiny_gemma3(window=WINDOW, layers=2, seed=7)
 
 
-def random_prompt(length: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(FIRST_ID, VOCAB, (length,), generator=generator)
-
-
-def single_prompt(length: int = PROMPT_LEN, seed: int = 0) -> dict[str, torch.Tensor]:
-    input_ids = random_prompt(length, seed)[None]
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-
-
-def left_padded_batch(lengths=(PROMPT_LEN + 3, 2, 10), seed: int = 10) -> dict[str, torch.Tensor]:
+def padded_prompts(lengths=(PROMPT_LEN + 3, 2, 10), seed: int = 10) -> dict[str, torch.Tensor]:
     """Prompts of different lengths, left-padded with id 0; the shortest has more padding than the window."""
-    width = max(lengths)
-    assert width - min(lengths) > WINDOW
-    input_ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
-    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = random_prompt(length, seed + row)
-        attention_mask[row, width - length :] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    assert max(lengths) - min(lengths) > WINDOW
+    return left_padded_batch([tokens(length, seed=seed + row)[0] for row, length in enumerate(lengths)])
 
 
 def make_cache(kind: str, model, **kwargs):
@@ -107,7 +78,7 @@ def generate(
     if seed is not None:
         torch.manual_seed(seed)
     if cache == "none" and not no_cache_forward_is_exact(model.config):
-        kwargs.update(cache_kwargs(make_cache("dynamic", model)))  # see conftest.no_cache_logits
+        kwargs.update(cache_kwargs(make_cache("dynamic", model)))  # see builders.no_cache_logits
     elif cache == "none":
         kwargs["use_cache"] = False
     elif isinstance(cache, str):
@@ -136,7 +107,7 @@ def ring_layers(cache: HybridRingCache) -> list[RingSlidingLayer]:
     return [layer for layer in cache.layers if isinstance(layer, RingSlidingLayer)]
 
 
-BATCHES = {"single": single_prompt, "left_padded": left_padded_batch}
+BATCHES = {"single": prompt, "left_padded": padded_prompts}
 
 
 # --- 1. greedy -------------------------------------------------------------------------------------------------------
@@ -154,7 +125,7 @@ def test_greedy(model_name, batch):
 
 def test_greedy_ring_really_wrapped(model_name):
     """Sanity: the scenario above exercises the wrapped ring (the ring holds `window` slots, not the sequence)."""
-    model, inputs = get_model(model_name), single_prompt()
+    model, inputs = get_model(model_name), prompt()
     cache = HybridRingCache(model.config)
     out = generate(model, inputs, cache, do_sample=False)
     assert cache.get_seq_length() == out.shape[-1] - 1
@@ -211,14 +182,8 @@ def test_beams_and_return_sequences(model_name, case):
 
 
 # --- 4. assisted decoding / prompt lookup ----------------------------------------------------------------------------
-def repetitive_prompt() -> dict[str, torch.Tensor]:
-    pattern = [5, 17, 29, 41, 53, 65, 77]
-    input_ids = torch.tensor([pattern * 2 + pattern[:4]])  # 18 tokens, a repeated 7-gram
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-
-
 SPECULATIVE_CASES = {
-    "assistant": (single_prompt, lambda: {"assistant_model": get_assistant()}),
+    "assistant": (prompt, lambda: {"assistant_model": get_assistant()}),
     "prompt_lookup": (repetitive_prompt, lambda: {"prompt_lookup_num_tokens": 3}),
 }
 
@@ -282,7 +247,7 @@ def test_prompt_lookup_short_prompt_later_longer_candidates(model_name):
     """A 2-token prompt has no n-gram to look up: the first step has no candidate; later steps propose 4 tokens from
     the (repetitive) generated text, and rejecting them after the wrap must still be exact with margin 0. (Past
     recording is activated once per generate and must survive every crop, as in DynamicSlidingWindowLayer.)"""
-    model, inputs = get_model(model_name), single_prompt(2, seed=2)
+    model, inputs = get_model(model_name), prompt(length=2, seed=2)
     kwargs = {"do_sample": False, "prompt_lookup_num_tokens": 4}
     expected = generate(model, inputs, "none", do_sample=False)
     if dynamic_cache_can_speculate():
@@ -322,7 +287,7 @@ def two_turns(model, inputs, cache, user_tokens: torch.Tensor, **kwargs):
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_multi_turn_same_cache(model_name, batch):
     model, inputs = get_model(model_name), BATCHES[batch]()
-    user_tokens = random_prompt(8, seed=55)[None]  # a new user turn longer than the window
+    user_tokens = tokens(8, seed=55)  # a new user turn longer than the window
     ring_cache = HybridRingCache(model.config)
     ring_first, turn2, ring_second = two_turns(model, inputs, ring_cache, user_tokens, do_sample=False)
     dyn_cache = DynamicCache(config=model.config)
@@ -339,12 +304,12 @@ def test_multi_turn_same_cache(model_name, batch):
 @torch.no_grad()
 def test_deepcopy_prefix_two_continuations(model_name):
     model = get_model(model_name)
-    prefix = random_prompt(PROMPT_LEN, seed=3)[None]
+    prefix = tokens(PROMPT_LEN, seed=3)
     prefix_cache = HybridRingCache(model.config)
     model(input_ids=prefix, **cache_kwargs(prefix_cache), use_cache=True)
     assert prefix_cache.get_seq_length() == PROMPT_LEN > WINDOW
     for seed in (41, 42):
-        continuation = random_prompt(4, seed=seed)[None]
+        continuation = tokens(4, seed=seed)
         full = torch.cat([prefix, continuation], dim=-1)
         inputs = {"input_ids": full, "attention_mask": torch.ones_like(full)}
         from_copy = generate(model, inputs, copy.deepcopy(prefix_cache), do_sample=False)
@@ -361,7 +326,7 @@ def test_cache_argument_spelling(model_name, spelling):
     FutureWarning from 5.24; the only name before)."""
     if spelling != CACHE_KEYWORD and spelling == "cache":
         pytest.skip(f"transformers {transformers.__version__} reads no `cache=` (5.24 and later do)")
-    model, inputs = get_model(model_name), single_prompt()
+    model, inputs = get_model(model_name), prompt()
     cache = HybridRingCache(model.config)
     kwargs = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": PAD}
     with torch.no_grad():

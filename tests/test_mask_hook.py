@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import VOCAB, chunked_logits, tiny_gemma3
+from builders import VOCAB, chunked_logits, tiny_gemma3
 from transformers import DynamicCache, StaticCache
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS,

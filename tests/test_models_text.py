@@ -472,7 +472,7 @@ def test_kv_bytes_equals_memory_report_and_gemma4_geometry():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import chunked_logits, tiny_gemma4
+    from builders import chunked_logits, tiny_gemma4
 
     from hybrid_cache import HybridRingCache
 

@@ -17,7 +17,7 @@ import random
 
 import pytest
 import torch
-from conftest import (
+from builders import (
     BOI_ID,
     EOI_ID,
     IMAGE_ID,

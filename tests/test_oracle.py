@@ -13,43 +13,23 @@ import random
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits, tiny_gemma3_multimodal
+from builders import (
+    MODEL_BUILDERS,
+    VOCAB,
+    assert_matches_oracle,
+    chunked_logits,
+    no_cache_logits,
+    oracle_chunk_sizes,
+    random_padded_batch,
+    random_schedule,
+    tiny_gemma3_multimodal,
+)
 
 from hybrid_cache import HybridRingCache
 from hybrid_cache.compat import cache_kwargs
 
-TOLERANCE = 1e-4
 # Random cases per (model, attention); CI runs 25. `HYBRID_CACHE_ORACLE_SEEDS=500 pytest tests/test_oracle.py` to soak.
 ORACLE_SEEDS = int(os.environ.get("HYBRID_CACHE_ORACLE_SEEDS", "25"))
-
-
-def random_schedule(rng: random.Random, total: int, window: int) -> list[int]:
-    schedule, left = [], total
-    while left:
-        size = min(left, rng.choice([1, 1, 2, window - 1 or 1, window, window + 1, 2 * window, 3 * window]))
-        schedule.append(size)
-        left -= size
-    return schedule
-
-
-def left_padded_batch(rng: random.Random, batch: int, length: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random tokens; row 0 unpadded, other rows left-padded by 0 .. 2 x window tokens (pad id 0)."""
-    input_ids = torch.randint(
-        3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(rng.randint(0, 10**6))
-    )
-    attention_mask = torch.ones_like(input_ids)
-    for row in range(1, batch):
-        pad = rng.randint(0, min(length - 1, 2 * window))
-        input_ids[row, :pad] = 0
-        attention_mask[row, :pad] = 0
-    return input_ids, attention_mask
-
-
-def assert_matches_oracle(got: torch.Tensor, expected: torch.Tensor, attention_mask: torch.Tensor, label: str):
-    real = attention_mask.bool()
-    assert not torch.isnan(got[real]).any(), f"{label}: NaN at a real token"
-    difference = (got[real] - expected[real]).abs().max().item()
-    assert difference <= TOLERANCE, f"{label}: max |logit difference| = {difference:.3g} > {TOLERANCE}"
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -59,8 +39,9 @@ def test_random_schedules_match_no_cache(model_name, attn, seed):
     window = rng.choice([3, 5, 8])
     model = MODEL_BUILDERS[model_name](window=window, attn=attn, seed=seed)
     length = rng.randint(window + 1, 6 * window)
-    input_ids, attention_mask = left_padded_batch(rng, rng.randint(1, 3), length, window)
-    schedule = random_schedule(rng, length, window)
+    padded = random_padded_batch(rng, rng.randint(1, 3), length, window)
+    input_ids, attention_mask = padded["input_ids"], padded["attention_mask"]
+    schedule = random_schedule(length, lambda: rng.choice(oracle_chunk_sizes(window)))
     label = f"W={window} T={length} schedule={schedule} pads={(attention_mask == 0).sum(1).tolist()}"
 
     cache = HybridRingCache(model.config)
@@ -74,7 +55,8 @@ def test_decode_many_wraps_then_continue(model_name, attn):
     window = 4
     model = MODEL_BUILDERS[model_name](window=window, attn=attn)
     rng = random.Random(7)
-    input_ids, attention_mask = left_padded_batch(rng, 2, 2 * window + 3, window)
+    padded = random_padded_batch(rng, 2, 2 * window + 3, window)
+    input_ids, attention_mask = padded["input_ids"], padded["attention_mask"]
     attention_mask[1, : window + 2] = 0  # padding longer than the window, still inside it after the first wraps
     input_ids[1, : window + 2] = 0
     cache = HybridRingCache(model.config)

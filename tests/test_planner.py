@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_gemma3, tiny_gemma4
+from builders import VOCAB, tiny_gemma3, tiny_gemma4
 from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, StaticCache
 
 from hybrid_cache import GrowableFullLayer, HybridRingCache, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB
-from test_oracle import left_padded_batch
+from builders import MODEL_BUILDERS, VOCAB, random_padded_batch
 
 from hybrid_cache import HybridRingCache
 from hybrid_cache.compat import cache_kwargs
@@ -30,7 +29,8 @@ def test_prefill_then_generate_equals_generate_from_scratch(model_name):
     import random
 
     model = MODEL_BUILDERS[model_name](window=5)
-    input_ids, attention_mask = left_padded_batch(random.Random(3), 3, 24, 5)
+    padded = random_padded_batch(random.Random(3), 3, 24, 5)
+    input_ids, attention_mask = padded["input_ids"], padded["attention_mask"]
     cache = HybridRingCache(model.config)
     prefill(model, cache, input_ids[:, :11], attention_mask[:, :11], chunk_size=4)
     prefill(model, cache, input_ids[:, 11:19], attention_mask[:, :19])

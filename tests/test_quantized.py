@@ -13,12 +13,21 @@ Oracles:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits
+from builders import (
+    MODEL_BUILDERS,
+    VOCAB,
+    chunked_logits,
+    get_model,
+    no_cache_logits,
+    prompt,
+    random_schedule,
+    repetitive_prompt,
+    seeded_chunk_sizes,
+)
 from transformers import DynamicCache
 
 from hybrid_cache import (
@@ -37,7 +46,7 @@ MODES = ("int8", "int4", "fp8")
 WINDOW = 6
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- 1. the codec ----------------------------------------------------------------------------------------------------
@@ -332,24 +341,6 @@ def fake_quant_cache(model, mode: str, rotate: bool = False, key_calibration: bo
     return cache
 
 
-@functools.cache
-def get_model(name: str):
-    return MODEL_BUILDERS[name](window=WINDOW)
-
-
-def random_schedule(seed: int, total: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    schedule = []
-    while sum(schedule) < total:
-        size = (
-            1
-            if torch.rand((), generator=generator) < 0.5
-            else int(torch.randint(2, 3 * WINDOW, (), generator=generator))
-        )
-        schedule.append(min(size, total - sum(schedule)))
-    return schedule
-
-
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("mode", MODES)
 def test_chunked_logits_equal_fake_quant_reference(model_name, mode, seed):
@@ -357,7 +348,7 @@ def test_chunked_logits_equal_fake_quant_reference(model_name, mode, seed):
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
     mask[1, : 4 + seed] = 0  # left padding
-    schedule = random_schedule(seed, ids.shape[1])
+    schedule = random_schedule(ids.shape[1], seeded_chunk_sizes(seed, one_token_share=0.5, high=3 * WINDOW))
     cache = HybridRingCache(model.config, full_layer_quantization=mode)
     actual = chunked_logits(model, cache, ids, schedule, mask)
     expected = chunked_logits(model, fake_quant_cache(model, mode), ids, schedule, mask)
@@ -385,19 +376,6 @@ def test_sliding_layers_stay_exact_in_the_model_dtype():
 
 
 # --- 4. generate -----------------------------------------------------------------------------------------------------
-def prompt(batch: int = 1, length: int = 15, pad: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
-    input_ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-    attention_mask = torch.ones_like(input_ids)
-    if pad:
-        input_ids[-1, :pad], attention_mask[-1, :pad] = 0, 0
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-
-def repetitive_prompt() -> dict[str, torch.Tensor]:
-    input_ids = torch.tensor([[5, 17, 29, 41, 53, 65, 77] * 2 + [5, 17, 29, 41]])
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-
-
 GENERATE_CASES = {
     "greedy": (lambda: prompt(2, pad=9), {"do_sample": False}),
     "sampling": (lambda: prompt(2, pad=9), {"do_sample": True, "top_k": 20, "temperature": 0.8}),

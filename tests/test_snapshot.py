@@ -11,7 +11,6 @@ and KV heads). Then the error cases: a failed call leaves the cache (and the fil
 from __future__ import annotations
 
 import copy
-import functools
 import gc
 import json
 import os
@@ -24,10 +23,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits, tiny_gemma4
+from builders import (
+    MODEL_BUILDERS,
+    VOCAB,
+    assert_matches_oracle,
+    chunked_logits,
+    get_model,
+    no_cache_logits,
+    oracle_chunk_sizes,
+    random_padded_batch,
+    random_schedule,
+    tiny_gemma4,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_oracle import assert_matches_oracle, left_padded_batch, random_schedule
 
 from hybrid_cache import CacheCheckpoint, HybridRingCache, RollbackError, read_metadata
 from hybrid_cache.compat import cache_kwargs
@@ -38,11 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@functools.cache
-def get_model(name: str, window: int, dtype: torch.dtype = torch.float32):
-    return MODEL_BUILDERS[name](window=window).to(dtype)
 
 
 def held_state(cache: HybridRingCache, capacities: bool = True) -> list:
@@ -93,14 +97,15 @@ def test_save_load_and_restore_continue_exactly(model_name, seed, tmp_path):
     model = get_model(model_name, window, dtype)
     prefix = rng.choice([rng.randint(1, window - 1), rng.randint(window, 4 * window)])  # before / after the wrap
     total = prefix + rng.randint(1, 3 * window)
-    input_ids, attention_mask = left_padded_batch(rng, rng.randint(1, 3), total, window)
+    padded = random_padded_batch(rng, rng.randint(1, 3), total, window)
+    input_ids, attention_mask = padded["input_ids"], padded["attention_mask"]
     other_ids = input_ids.clone()
     other_ids[:, prefix:] = torch.randint(3, VOCAB, (input_ids.shape[0], total - prefix))
     kwargs = {"rollback_margin": rng.choice([0, 0, 1, 3])}
     if rng.random() < 0.35:
         kwargs["max_cache_len"] = total + rng.randint(0, 3)
-    prefix_schedule = random_schedule(rng, prefix, window)
-    schedule = random_schedule(rng, total - prefix, window)
+    prefix_schedule = random_schedule(prefix, lambda: rng.choice(oracle_chunk_sizes(window)))
+    schedule = random_schedule(total - prefix, lambda: rng.choice(oracle_chunk_sizes(window)))
     label = f"W={window} {dtype} prefix={prefix_schedule} continuation={schedule} {kwargs}"
 
     cache = HybridRingCache(model.config, **kwargs)
@@ -161,7 +166,8 @@ def generate(model, input_ids, attention_mask, cache, new_tokens=12):
 def test_generate_from_loaded_and_restored_cache(model_name, prefix, tmp_path):
     """A batch with left padding longer than the window: prefix, then generate a question's answer three ways."""
     model = get_model(model_name, WINDOW)
-    input_ids, attention_mask = left_padded_batch(random.Random(prefix), 3, prefix + 5, WINDOW)
+    padded = random_padded_batch(random.Random(prefix), 3, prefix + 5, WINDOW)
+    input_ids, attention_mask = padded["input_ids"], padded["attention_mask"]
     attention_mask[2, : min(prefix, WINDOW + 1)] = 0
     input_ids[2, : min(prefix, WINDOW + 1)] = 0
     cache = HybridRingCache(model.config)
@@ -260,7 +266,7 @@ def test_num_return_sequences_from_a_loaded_prefix(tmp_path):
 _SAVE_IN_CHILD = """
 import sys, torch
 sys.path.insert(0, {tests!r})
-from conftest import MODEL_BUILDERS
+from builders import MODEL_BUILDERS
 from safetensors.torch import save_file
 from hybrid_cache import HybridRingCache, cache_kwargs
 torch.set_num_threads(1)  # as in this module: same kernels, same summation order, bit-identical logits

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_gemma3, tiny_gemma4
+from builders import VOCAB, tiny_gemma3, tiny_gemma4
 from transformers import DynamicCache
 from transformers.distributed import DistributedConfig
 

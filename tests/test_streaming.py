@@ -8,11 +8,17 @@ of 4D boolean masks (one per layer type) to the model's no-cache forward, which 
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits
+from builders import (
+    MODEL_BUILDERS,
+    VOCAB,
+    chunked_logits,
+    get_model,
+    no_cache_logits,
+    random_schedule,
+    seeded_chunk_sizes,
+)
 
 from hybrid_cache import HybridRingCache, RollbackError, SinkWindowFullLayer
 from hybrid_cache.compat import cache_kwargs
@@ -20,12 +26,7 @@ from hybrid_cache.compat import cache_kwargs
 WINDOW = 6  # sliding window of the tiny models
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@functools.cache
-def get_model(name: str):
-    return MODEL_BUILDERS[name](window=WINDOW)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @torch.no_grad()
@@ -44,15 +45,6 @@ def bounded_oracle_logits(model, ids: torch.Tensor, schedule: list[int], sinks: 
     return model(input_ids=ids, attention_mask=masks, use_cache=False).logits
 
 
-def random_schedule(seed: int, total: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    schedule = []
-    while sum(schedule) < total:
-        size = 1 if torch.rand((), generator=generator) < 0.6 else int(torch.randint(2, 12, (), generator=generator))
-        schedule.append(min(size, total - sum(schedule)))
-    return schedule
-
-
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(
     ("sinks", "window"), [(0, 3), (2, 5), (4, 9), (1, 1)], ids=["S0-R3", "S2-R5", "S4-R9", "S1-R1"]
@@ -60,7 +52,7 @@ def random_schedule(seed: int, total: int) -> list[int]:
 def test_chunked_logits_equal_the_masked_oracle(model_name, sinks, window, seed):
     model = get_model(model_name)
     ids = torch.randint(3, VOCAB, (2, 44), generator=torch.Generator().manual_seed(seed))
-    schedule = random_schedule(seed, ids.shape[1])
+    schedule = random_schedule(ids.shape[1], seeded_chunk_sizes(seed, one_token_share=0.6, high=12))
     cache = HybridRingCache(model.config, full_layer_sink_tokens=sinks, full_layer_window=window)
     actual = chunked_logits(model, cache, ids, schedule)
     expected = bounded_oracle_logits(model, ids, schedule, sinks, window)

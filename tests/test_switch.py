@@ -14,7 +14,16 @@ import copy
 import pytest
 import torch
 import transformers
-from conftest import BOI_ID, EOI_ID, IMAGE_ID, VOCAB, random_images, tiny_gemma3, tiny_gemma3_multimodal, tiny_gemma4
+from builders import (
+    BOI_ID,
+    EOI_ID,
+    IMAGE_ID,
+    prompt,
+    random_images,
+    tiny_gemma3,
+    tiny_gemma3_multimodal,
+    tiny_gemma4,
+)
 from transformers import DynamicCache
 
 import hybrid_cache
@@ -53,18 +62,13 @@ def returned_cache(out):
     return None
 
 
-def prompt(length: int, batch: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
-    ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
 GREEDY = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
 
 
 @pytest.mark.parametrize("builder", [tiny_gemma3, tiny_gemma4])
 def test_enabled_generate_equals_dynamic_cache_one_ring_per_call(builder, monkeypatch, one_thread):
     model = builder(window=6)
-    inputs = prompt(20)
+    inputs = prompt(length=20)
     expected = model.generate(**inputs, **GREEDY, **cache_kwargs(DynamicCache(config=model.config)))
     hybrid_cache.enable(model)  # builds (and drops) one cache to check the options
     counter = ConstructionCounter(monkeypatch, HybridRingCache, DynamicCache)
@@ -79,7 +83,7 @@ def test_enabled_generate_equals_dynamic_cache_one_ring_per_call(builder, monkey
 
 def test_beams_and_sampling_through_the_switch(one_thread):
     model = tiny_gemma3(window=6)
-    inputs = prompt(15, batch=2)
+    inputs = prompt(2, 15)
     for options in (dict(num_beams=3), dict(do_sample=True, top_k=20)):
         kwargs = dict(max_new_tokens=10, min_new_tokens=10, pad_token_id=0, **options)
         torch.manual_seed(0)
@@ -93,7 +97,7 @@ def test_beams_and_sampling_through_the_switch(one_thread):
 
 def test_explicit_cache_and_opt_outs_pass_through(monkeypatch, one_thread):
     model = tiny_gemma3(window=6)
-    inputs = prompt(10)
+    inputs = prompt(length=10)
     hybrid_cache.enable(model)
     counter = ConstructionCounter(monkeypatch, HybridRingCache)
     mine = DynamicCache(config=model.config)
@@ -126,7 +130,7 @@ def test_disable_restores_exactly_and_options_are_checked(one_thread):
 
     model.generate = someone_elses
     hybrid_cache.enable(model)
-    assert model.generate(**prompt(4)) == "theirs"  # their wrapper runs, under ours
+    assert model.generate(**prompt(length=4)) == "theirs"  # their wrapper runs, under ours
     hybrid_cache.disable(model)
     assert model.__dict__["generate"] is someone_elses
     del model.generate
@@ -144,7 +148,7 @@ def test_deepcopy_of_an_enabled_model_builds_caches_for_the_copy(one_thread):
     model = hybrid_cache.enable(tiny_gemma3(window=6))
     twin = copy.deepcopy(model)
     assert twin.generate.model is twin and hybrid_cache.is_enabled(twin)
-    out = twin.generate(**prompt(12), **GREEDY, return_dict_in_generate=True)
+    out = twin.generate(**prompt(length=12), **GREEDY, return_dict_in_generate=True)
     assert isinstance(returned_cache(out), HybridRingCache)
 
 
@@ -163,7 +167,7 @@ def test_cache_keyword_trap_before_5_24(one_thread):
     """Before 5.24 a model forward swallows `cache=` in `**kwargs` and runs without any cache: the logits of a
     continuation are wrong and the cache stays empty. `cache_kwargs` uses the name the release reads."""
     model = tiny_gemma3(window=6)
-    ids = prompt(14)["input_ids"]
+    ids = prompt(length=14)["input_ids"]
     oracle = model(input_ids=ids).logits[:, 10:]
     right = HybridRingCache(model.config)
     model(input_ids=ids[:, :10], **cache_kwargs(right))

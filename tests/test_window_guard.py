@@ -20,7 +20,7 @@ import random
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB, no_cache_logits
+from builders import MODEL_BUILDERS, VOCAB, no_cache_logits, random_schedule
 from transformers import DynamicCache
 
 from hybrid_cache import HybridRingCache, WindowMismatchError
@@ -50,14 +50,11 @@ def first_blind_step(schedule: list[int], cache_window: int, capacity: int, mode
     return None
 
 
-def random_schedule(rng: random.Random, total: int, largest: int) -> list[int]:
+def mixed_schedule(rng: random.Random, total: int, largest: int) -> list[int]:
     """Chunk sizes summing to `total`: chunks of 2 to `largest` tokens, mixed with one-token steps in two schedules
     out of three (chunks alone reach the chunk refusal before any one-token step)."""
-    schedule, one_token_share = [], rng.choice([0.0, 0.3, 0.6])
-    while sum(schedule) < total:
-        size = 1 if rng.random() < one_token_share else rng.randint(2, largest)
-        schedule.append(min(size, total - sum(schedule)))
-    return schedule
+    one_token_share = rng.choice([0.0, 0.3, 0.6])
+    return random_schedule(total, lambda: 1 if rng.random() < one_token_share else rng.randint(2, largest))
 
 
 def geometry(rng: random.Random) -> tuple[int, int, int, list[int]]:
@@ -67,7 +64,7 @@ def geometry(rng: random.Random) -> tuple[int, int, int, list[int]]:
     cache_window = rng.choice([smaller, smaller, model_window, rng.randint(model_window, 12)])
     margin = rng.choice([0, 0, 2])
     total = rng.randint(3, 3 * model_window + 8)  # also shorter than the model window: its mask then sees 0
-    return model_window, cache_window, margin, random_schedule(rng, total, largest=2 * model_window + 3)
+    return model_window, cache_window, margin, mixed_schedule(rng, total, largest=2 * model_window + 3)
 
 
 def config_with_window(config, window: int):

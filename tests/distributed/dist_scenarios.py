@@ -12,16 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from builders import VOCAB, left_padded_batch  # tests/ is on the path: pytest's pythonpath, the worker's PYTHONPATH
 from transformers import DynamicCache
 
 from hybrid_cache import HybridRingCache
 from hybrid_cache.compat import cache_kwargs
 from hybrid_cache.distributed import parallel_sizes, pipeline_layer_range, restrict_to_stage, stage_layers
 
-VOCAB = 101
 WINDOW = 4  # every scenario's prompt is longer than the window: the rings wrap
 NEW_TOKENS = 8
-PAD = 0
 
 
 def _ids(generator: torch.Generator, batch: int, length: int) -> torch.Tensor:
@@ -31,12 +30,8 @@ def _ids(generator: torch.Generator, batch: int, length: int) -> torch.Tensor:
 def _left_padded(generator: torch.Generator, lengths: list[int]) -> dict[str, torch.Tensor]:
     """A left-padded batch (padding longer than the window in the last row: trap 5)."""
     width = max(lengths)
-    input_ids = _ids(generator, len(lengths), width)
-    attention_mask = torch.ones_like(input_ids)
-    for row, length in enumerate(lengths):
-        input_ids[row, : width - length] = PAD
-        attention_mask[row, : width - length] = 0
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    rows = _ids(generator, len(lengths), width)
+    return left_padded_batch([row[width - length :] for row, length in zip(rows, lengths)])
 
 
 @dataclass(frozen=True)
