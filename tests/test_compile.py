@@ -6,24 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from builders import MODEL_BUILDERS, VOCAB
+from builders import MODEL_BUILDERS, VOCAB, greedy_decode
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from hybrid_cache import HybridRingCache
-from hybrid_cache.compat import cache_kwargs
-
-
-def greedy_decode(model, cache, prompt: torch.Tensor, forward, steps: int) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=prompt, **cache_kwargs(cache)).logits  # prefill: eager, as in `generate`
-        token = logits[:, -1:].argmax(-1)
-        tokens = [token]
-        for step in range(steps):
-            position_ids = torch.full((prompt.shape[0], 1), prompt.shape[1] + step)
-            logits = forward(input_ids=token, **cache_kwargs(cache), position_ids=position_ids, use_cache=True).logits
-            token = logits[:, -1:].argmax(-1)
-            tokens.append(token)
-    return torch.cat(tokens, 1)
 
 
 def test_dynamic_cache_is_not_compileable_but_fixed_is():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import SAMPLE, tiny_model, tiny_tokenizer
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from hybrid_cache import models
@@ -28,65 +29,6 @@ from hybrid_cache.perplexity import (
     main,
 )
 from hybrid_cache.text import load_text
-
-SAMPLE = (
-    "To be, or not to be, that is the question:\n"
-    "Whether 'tis nobler in the mind to suffer\n"
-    "The slings and arrows of outrageous fortune,\n"
-    "Or to take arms against a sea of troubles\n"
-    "And by opposing end them. To die, to sleep;\n"
-)
-
-
-def tiny_model(
-    vocab: int = 128,
-    window: int = 6,
-    layers: int = 6,
-    softcap: float | None = None,
-    layer_types: list[str] | None = None,
-    seed: int = 0,
-) -> Gemma3ForCausalLM:
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=window,
-        max_position_embeddings=4096,
-        final_logit_softcapping=softcap,
-        layer_types=layer_types,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=1,
-    )
-    return Gemma3ForCausalLM(config).eval()
-
-
-def tiny_tokenizer(text: str):
-    """A byte-level BPE tokenizer trained on `text` (no download), ids 0..3 = pad, eos, bos, unk like Gemma."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors, trainers
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([text], trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-    )
 
 
 @pytest.fixture(scope="module")

@@ -141,7 +141,7 @@ def test_cli_and_example_on_the_embedded_model(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory) -> tuple[Path, Path]:
     """Two tiny Gemma 3 checkpoints with a tokenizer: window 6, and window 4 (another model's geometry)."""
-    from test_models_text import SAMPLE, tiny_model, tiny_tokenizer
+    from builders import SAMPLE, tiny_model, tiny_tokenizer
 
     tokenizer = tiny_tokenizer(SAMPLE * 4)
     dirs = []
@@ -167,7 +167,7 @@ def _one_line_error(capsys, argv: list[str]) -> str:
 def test_cli_file_mistakes_are_one_line(tmp_path, capsys, tiny_checkpoints):
     """A missing file, a text file, a truncated file, a directory, a saved cache that `build` did not write, and a
     file built for another model: one line naming the file and what to do, exit code 2."""
-    from test_models_text import SAMPLE
+    from builders import SAMPLE
 
     err = _one_line_error(capsys, ["ask", str(tmp_path / "nosuch.safetensors"), "x"])
     assert "nosuch.safetensors: no such file" in err and "hybrid-cache-prefix build" in err
@@ -219,7 +219,7 @@ def test_cli_model_before_or_after_the_command_and_a_whole_description():
 def test_cli_ask_warms_up_untimed_then_compares(tmp_path, capsys, tiny_checkpoints):
     """`ask` on a tiny model: the first load and the first answer run untimed before the compared pair (whose
     answers are identical), and the load average is printed with the timings."""
-    from test_models_text import SAMPLE
+    from builders import SAMPLE
 
     from hybrid_cache.prefix import main
 

@@ -444,7 +444,7 @@ def test_multi_turn_and_fixed_capacity(model_name, mode):
 
 
 def test_compiled_decode_matches_eager():
-    from test_compile import greedy_decode  # the exact cache's compile test, reused
+    from builders import greedy_decode  # the exact cache's compile decoding loop, reused
 
     torch._dynamo.reset()
     model = get_model("gemma3")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_gemma3, tiny_gemma4
+from builders import VOCAB, tiny_gemma3, tiny_gemma4
 from transformers import AutoModelForCausalLM
 
 from hybrid_cache import HybridRingCache, RingSlidingLayer

@@ -176,3 +176,17 @@ def test_only_specs_reads_the_layer_structure_of_the_config():
             if reads_attribute or reads_getattr:
                 readers.append(f"{name}.py:{node.lineno}")
     assert not readers, f"config structure read outside specs.py: {readers}"
+
+
+def test_test_modules_import_no_other_test_module():
+    """Shared test code lives in `tests/builders.py`; no test module imports another test module or `conftest`."""
+    tests = Path(__file__).parent
+    test_modules = {path.stem for path in tests.glob("test_*.py")} | {"conftest"}
+    offenders = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in test_modules:
+                offenders.append(f"{path.name}: from {node.module}")
+            elif isinstance(node, ast.Import):
+                offenders += [f"{path.name}: import {a.name}" for a in node.names if a.name in test_modules]
+    assert not offenders, offenders
