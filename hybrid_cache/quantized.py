@@ -42,6 +42,8 @@ cache does not see the queries). It lowers int4's key error more than the end-to
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from transformers.utils import is_torchdynamo_compiling
@@ -50,11 +52,13 @@ from .code_attention import CODE_ATTENTION_MODES, MAX_CODE_QUERY_LENGTH, Compres
 from .quantizer import CALIBRATION_FLOOR, DEFAULT_GROUP_SIZE, QUANTIZATION_MODES, KVQuantizer, hadamard_matrix
 from .storage import (
     GROWTH_FACTOR,
+    NOTHING_WRITTEN,
     StorageLayer,
     grown_capacity,
     mark_static,
     prepare_fixed_capacity_step,
     tensor_counter,
+    writable,
 )
 
 __all__ = [
@@ -188,6 +192,7 @@ class QuantizedFullLayer(StorageLayer):
                 torch.ones(shape, dtype=self.dtype, device=self.device),
             )
         self.is_initialized = True
+        self.note_write(0)
 
     @property
     def capacity(self) -> int:
@@ -287,6 +292,7 @@ class QuantizedFullLayer(StorageLayer):
         self._prepare(key_states, value_states)
         start = self.cumulative_length
         self._grow(start + key_states.shape[-2], key_states.shape[-2])
+        self.note_write(start)
         if start == 0:
             self._calibrate(key_states)
         if return_codes and self.uses_codes(start, key_states.shape[-2]):
@@ -332,6 +338,58 @@ class QuantizedFullLayer(StorageLayer):
     def get_max_length(self) -> int:
         return -1
 
+    # --- state (see `StorageLayer.meta_state`): the codes, scales and key calibration of the first `length` tokens --
+    state_kind = "quantized_full_attention"
+
+    def state_settings(self) -> dict[str, Any]:
+        return {
+            "full_layer_quantization": self.mode,
+            "full_layer_group_size": self.group_size,
+            "full_layer_rotation": self.rotate,
+            "full_layer_key_calibration": self.key_calibration,
+        }
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """`key_codes` / `value_codes` `[batch, kv_heads, length, packed_dim]`, `key_scales` / `value_scales`
+        `[batch, kv_heads, length, groups]` (model dtype) and, with key calibration, `key_shift` / `key_scale`
+        `[batch, kv_heads, 1, k_head_dim]`: everything `update` reads, nothing dequantized."""
+        length = int(self.cumulative_length)
+        named = {}
+        for role, prefix in (("keys", "key"), ("values", "value")):
+            named[f"{prefix}_codes"] = self._codes[role][:, :, :length]
+            named[f"{prefix}_scales"] = self._scales[role][:, :, :length]
+        if "keys" in self._calibration:
+            named["key_shift"], named["key_scale"] = self._calibration["keys"]
+        return named
+
+    def state_layout(self, meta: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        rows = (meta["batch_size"], meta["num_heads"])
+        layout = {}
+        for prefix, head_dim in (("key", meta["k_head_dim"]), ("value", meta["v_head_dim"])):
+            quantizer = KVQuantizer(self.mode, head_dim, self.group_size, self.rotate)
+            layout[f"{prefix}_codes"] = ((*rows, meta["slots"], quantizer.packed_dim), quantizer.storage_dtype)
+            layout[f"{prefix}_scales"] = ((*rows, meta["slots"], quantizer.groups), meta["dtype"])
+        if self.key_calibration:
+            layout["key_shift"] = layout["key_scale"] = ((*rows, 1, meta["k_head_dim"]), meta["dtype"])
+        return layout
+
+    def load_state(self, meta: Mapping[str, Any], **tensors: torch.Tensor) -> None:
+        """Hold exactly the state `meta` from the tensors of `state()` (same names), reallocating through
+        `lazy_initialization` unless allocated for it already (in place: static addresses stay)."""
+        device = tensors["key_codes"].device
+        self._allocate_for_state(meta, device)
+        length = meta["length"]
+        with writable(self._codes["keys"]):
+            self.reset()
+            for role, prefix in (("keys", "key"), ("values", "value")):
+                for store, name in ((self._codes, "codes"), (self._scales, "scales")):
+                    store[role][:, :, :length].copy_(tensors[f"{prefix}_{name}"])
+                    store[role][:, :, length:].zero_()
+            if "keys" in self._calibration:
+                for target, name in zip(self._calibration["keys"], ("key_shift", "key_scale")):
+                    target.copy_(tensors[name])
+            self.cumulative_length = length
+
 
 class StaticQuantizedFullLayer(QuantizedFullLayer):
     """`QuantizedFullLayer` with a fixed capacity, static addresses and a tensor counter, for `torch.compile`.
@@ -346,6 +404,8 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
 
     is_compileable = True
     cumulative_length = tensor_counter("length_tensor")
+    _counter_names = ("length_tensor", "floor_tensor")
+    write_floor = tensor_counter("floor_tensor")
 
     def __init__(
         self,
@@ -360,12 +420,19 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
             raise ValueError(f"`max_cache_len` must be >= 1, got {max_cache_len}.")
         self.max_cache_len = int(max_cache_len)
         self.length_tensor = torch.zeros((), dtype=torch.long)
+        self.floor_tensor = torch.full((), NOTHING_WRITTEN, dtype=torch.long)
         super().__init__(mode, workspace, group_size, rotate, key_calibration=key_calibration)
 
+    def note_write(self, position: int | torch.Tensor) -> None:
+        # A tensor op, so that compiled decode steps record their writes too (as in `StaticFullLayer`).
+        position = torch.as_tensor(position, device=self.floor_tensor.device)
+        torch.minimum(self.floor_tensor, position, out=self.floor_tensor)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.floor_tensor = self.floor_tensor.to(key_states.device)
         self._allocate(key_states, value_states, self.max_cache_len)
         self.length_tensor = self.length_tensor.to(self.device)
-        mark_static(*self.storage_tensors(), self.length_tensor)
+        mark_static(*self.storage_tensors(), self.length_tensor, self.floor_tensor)
         for role, states in (("keys", key_states), ("values", value_states)):
             shape = (self.batch_size, self.num_heads, self.max_cache_len, states.shape[-1])
             self.workspace.view(role, shape, self.dtype, self.device, exact=True)
@@ -379,6 +446,7 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
             if end == query_length:  # an empty layer: calibrate in place (static addresses)
                 self._calibrate(key_states)
         positions = self.length_tensor + torch.arange(query_length, device=self.device)
+        self.note_write(self.length_tensor)
         returned = []
         for role, states in (("keys", key_states), ("values", value_states)):
             quantizer = self.quantizers[role]
@@ -403,6 +471,9 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
+
+    def accepts_state(self, meta: Mapping[str, Any]) -> bool:
+        return super().accepts_state(meta) and meta["capacity"] == self.max_cache_len
 
     def get_max_length(self) -> int:
         return self.max_cache_len
