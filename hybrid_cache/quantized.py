@@ -42,21 +42,28 @@ cache does not see the queries). It lowers int4's key error more than the end-to
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from transformers.utils import is_torchdynamo_compiling
 
 from .code_attention import CODE_ATTENTION_MODES, MAX_CODE_QUERY_LENGTH, CompressedHistory, CompressedKV
+from .quantizer import CALIBRATION_FLOOR, DEFAULT_GROUP_SIZE, QUANTIZATION_MODES, KVQuantizer, hadamard_matrix
 from .storage import (
     GROWTH_FACTOR,
+    NOTHING_WRITTEN,
     StorageLayer,
     grown_capacity,
     mark_static,
     prepare_fixed_capacity_step,
     tensor_counter,
+    writable,
 )
 
 __all__ = [
+    "CALIBRATION_FLOOR",
+    "DEFAULT_GROUP_SIZE",
     "QUANTIZATION_MODES",
     "DequantWorkspace",
     "KVQuantizer",
@@ -64,188 +71,8 @@ __all__ = [
     "StaticQuantizedFullLayer",
 ]
 
-QUANTIZATION_MODES = ("int8", "int4", "fp8")
-DEFAULT_GROUP_SIZE = 64
-_FP8_DTYPE = torch.float8_e4m3fn
-_FP8_MAX = float(torch.finfo(_FP8_DTYPE).max)
-# A channel's calibration scale is its spread over the calibration tokens, but at least this fraction of the mean
-# spread of the head's channels: a channel that barely moved while calibrating must not be blown up later.
-CALIBRATION_FLOOR = 0.2
-
-
-def _hadamard(size: int) -> torch.Tensor:
-    """Normalized Sylvester-Hadamard matrix `[size, size]` (orthogonal and symmetric: it is its own inverse)."""
-    matrix = torch.ones(1, 1)
-    while matrix.shape[0] < size:
-        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
-    return matrix / math.sqrt(size)
-
-
-class KVQuantizer:
-    """Quantizes `[..., head_dim]` tensors token by token, and dequantizes them into a preallocated tensor.
-
-    Args:
-        mode (`str`): `"int8"`, `"int4"` or `"fp8"`.
-        head_dim (`int`): size of the last dimension.
-        group_size (`int`, defaults to 64): channels sharing one scale; reduced to `gcd(head_dim, group_size)` when
-            it does not divide `head_dim` (tiny test models have heads of 8 or 16).
-        rotate (`bool`, defaults to False): Hadamard rotation within each group (see the module docstring); needs a
-            power-of-two group.
-
-    Example:
-
-    ```python
-    >>> quantizer = KVQuantizer("int8", head_dim=256)
-    >>> data, scales = quantizer.quantize(keys)          # [b, h, t, 256] int8, [b, h, t, 4] keys.dtype
-    >>> out = torch.empty_like(keys); quantizer.dequantize_into(data, scales, out)
-    ```
-    """
-
-    def __init__(self, mode: str, head_dim: int, group_size: int = DEFAULT_GROUP_SIZE, rotate: bool = False) -> None:
-        if mode not in QUANTIZATION_MODES:
-            raise ValueError(
-                f"Unknown full-layer quantization {mode!r}; choose one of {QUANTIZATION_MODES} (or None for exact "
-                f"storage in the model dtype)."
-            )
-        if mode == "int4" and head_dim % 2:
-            raise ValueError(f"int4 packs two channels per byte and needs an even head size, got {head_dim}.")
-        if group_size < 1:
-            raise ValueError(f"`group_size` must be >= 1, got {group_size}.")
-        self.mode = mode
-        self.head_dim = head_dim
-        self.group_size = math.gcd(head_dim, group_size)
-        if rotate and self.group_size & (self.group_size - 1):
-            raise ValueError(
-                f"The Hadamard rotation needs a power-of-two group, got {self.group_size} (head size {head_dim}); "
-                f"pass another `full_layer_group_size` or rotate=False."
-            )
-        self.rotate = rotate
-        self._rotation: torch.Tensor | None = None
-        self.groups = head_dim // self.group_size
-
-    # --- layout ---------------------------------------------------------------------------------------------------
-    @property
-    def storage_dtype(self) -> torch.dtype:
-        return {"int8": torch.int8, "int4": torch.int8, "fp8": _FP8_DTYPE}[self.mode]
-
-    @property
-    def packed_dim(self) -> int:
-        """Elements of `storage_dtype` per token and head."""
-        return self.head_dim // 2 if self.mode == "int4" else self.head_dim
-
-    def bytes_per_token(self, scale_element_size: int) -> int:
-        """Stored bytes per token and head: the codes plus one scale per group."""
-        return (
-            self.packed_dim * torch.empty((), dtype=self.storage_dtype).element_size()
-            + self.groups * scale_element_size
-        )
-
-    def rotation_matrix(self, reference: torch.Tensor) -> torch.Tensor | None:
-        """The `[group, group]` Hadamard matrix on `reference`'s device (None without rotation)."""
-        return self._rotation_for(reference) if self.rotate else None
-
-    def _rotation_for(self, reference: torch.Tensor) -> torch.Tensor:
-        if self._rotation is None or self._rotation.device != reference.device:
-            self._rotation = _hadamard(self.group_size).to(reference.device)
-        return self._rotation
-
-    # --- quantize -------------------------------------------------------------------------------------------------
-    @staticmethod
-    @torch.no_grad()
-    def calibrate(sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-channel `(shift, scale)` of `sample` (`[batch, heads, tokens, head_dim]`) over its tokens, per row and
-        head: the mean, and the RMS deviation from it floored at `CALIBRATION_FLOOR` x the head's mean deviation
-        (1 where a head did not vary at all, e.g. a one-token sample). Both `[batch, heads, 1, head_dim]`, in
-        `sample.dtype` (the rounded values are the ones both directions use)."""
-        values = sample.float()
-        shift = values.mean(dim=-2, keepdim=True)
-        spread = (values - shift).square().mean(dim=-2, keepdim=True).sqrt()
-        scale = torch.maximum(spread, spread.mean(dim=-1, keepdim=True) * CALIBRATION_FLOOR)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        return shift.to(sample.dtype), scale.to(sample.dtype)
-
-    @torch.no_grad()
-    def quantize(
-        self, tensor: torch.Tensor, calibration: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[..., head_dim]` -> codes `[..., packed_dim]` (`storage_dtype`), scales `[..., groups]` (`tensor.dtype`).
-
-        Computed in float32; the scale is rounded to the model dtype *before* dividing, so that dequantization with the
-        stored scale reproduces the rounding grid exactly. With `calibration` (`calibrate`'s `(shift, scale)`), the
-        codes are those of `(tensor - shift) / scale`.
-        """
-        values = tensor.float()
-        if calibration is not None:
-            shift, scale = calibration
-            values = (values - shift.float()) / scale.float()
-        grouped = values.unflatten(-1, (self.groups, self.group_size))
-        if self.rotate:
-            grouped = grouped @ self._rotation_for(grouped)
-        if self.mode == "int4":
-            # q4_0: the signed value of largest magnitude maps to -8, so it is represented exactly.
-            index = grouped.abs().argmax(dim=-1, keepdim=True)
-            scales = (grouped.gather(-1, index) / -8.0).to(tensor.dtype)
-        else:
-            limit = 127.0 if self.mode == "int8" else _FP8_MAX
-            scales = (grouped.abs().amax(dim=-1, keepdim=True) / limit).to(tensor.dtype)
-        divisor = scales.float()
-        divisor = torch.where(divisor == 0, torch.ones_like(divisor), divisor)  # an all-zero group stays zero
-        scaled = grouped / divisor
-        if self.mode == "fp8":
-            codes = scaled.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8_DTYPE).flatten(-2)
-        elif self.mode == "int8":
-            codes = scaled.round().clamp(-127, 127).to(torch.int8).flatten(-2)
-        else:
-            nibbles = scaled.round().clamp(-8, 7).to(torch.int8).flatten(-2)
-            half = self.head_dim // 2
-            # Two's-complement nibbles: channel j in the low half-byte, channel j + half in the high one.
-            codes = (nibbles[..., :half] & 0x0F) | (nibbles[..., half:] << 4)
-        return codes, scales.squeeze(-1)
-
-    # --- dequantize -----------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def dequantize_into(
-        self,
-        codes: torch.Tensor,
-        scales: torch.Tensor,
-        out: torch.Tensor,
-        scratch: torch.Tensor | None = None,
-        calibration: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
-        """Write the model-dtype values of `codes` / `scales` into `out` (`[..., head_dim]`), in place.
-
-        A cast and an in-place multiply per tensor: torch's mixed int8 x bf16 multiply has no vectorized CPU kernel
-        (docs/quantization.md), and in-place writes allocate nothing. int4 needs
-        an int8 buffer of `codes`' shape for the unpacked nibbles: pass `scratch` to reuse one (a fresh buffer per
-        call costs page faults). `calibration`: the `(shift, scale)` the codes were quantized with.
-        """
-        if self.mode == "int4":
-            half = self.head_dim // 2
-            scratch = torch.empty_like(codes) if scratch is None else scratch
-            # Arithmetic shifts of int8 sign-extend the nibbles: no offset to subtract afterwards.
-            torch.bitwise_right_shift(codes, 4, out=scratch)
-            out[..., half:].copy_(scratch)
-            torch.bitwise_left_shift(codes, 4, out=scratch)
-            scratch.bitwise_right_shift_(4)
-            out[..., :half].copy_(scratch)
-        else:
-            out.copy_(codes)
-        grouped = out.unflatten(-1, (self.groups, self.group_size))
-        grouped.mul_(scales.unsqueeze(-1).to(out.dtype))
-        if self.rotate:
-            grouped.copy_(grouped @ self._rotation_for(out).to(out.dtype))
-        if calibration is not None:
-            shift, scale = calibration
-            torch.addcmul(shift, out, scale, out=out)
-
-    def roundtrip(
-        self, tensor: torch.Tensor, calibration: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """`dequantize(quantize(tensor))`: what the cache hands back for a stored token (tests, error bounds)."""
-        codes, scales = self.quantize(tensor, calibration)
-        out = torch.empty_like(tensor)
-        self.dequantize_into(codes, scales, out, calibration=calibration)
-        return out
+# `tests/test_quantized.py` reads the rotation under its earlier name.
+_hadamard = hadamard_matrix
 
 
 class DequantWorkspace:
@@ -365,6 +192,7 @@ class QuantizedFullLayer(StorageLayer):
                 torch.ones(shape, dtype=self.dtype, device=self.device),
             )
         self.is_initialized = True
+        self.note_write(0)
 
     @property
     def capacity(self) -> int:
@@ -464,6 +292,7 @@ class QuantizedFullLayer(StorageLayer):
         self._prepare(key_states, value_states)
         start = self.cumulative_length
         self._grow(start + key_states.shape[-2], key_states.shape[-2])
+        self.note_write(start)
         if start == 0:
             self._calibrate(key_states)
         if return_codes and self.uses_codes(start, key_states.shape[-2]):
@@ -509,6 +338,58 @@ class QuantizedFullLayer(StorageLayer):
     def get_max_length(self) -> int:
         return -1
 
+    # --- state (see `StorageLayer.meta_state`): the codes, scales and key calibration of the first `length` tokens --
+    state_kind = "quantized_full_attention"
+
+    def state_settings(self) -> dict[str, Any]:
+        return {
+            "full_layer_quantization": self.mode,
+            "full_layer_group_size": self.group_size,
+            "full_layer_rotation": self.rotate,
+            "full_layer_key_calibration": self.key_calibration,
+        }
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """`key_codes` / `value_codes` `[batch, kv_heads, length, packed_dim]`, `key_scales` / `value_scales`
+        `[batch, kv_heads, length, groups]` (model dtype) and, with key calibration, `key_shift` / `key_scale`
+        `[batch, kv_heads, 1, k_head_dim]`: everything `update` reads, nothing dequantized."""
+        length = int(self.cumulative_length)
+        named = {}
+        for role, prefix in (("keys", "key"), ("values", "value")):
+            named[f"{prefix}_codes"] = self._codes[role][:, :, :length]
+            named[f"{prefix}_scales"] = self._scales[role][:, :, :length]
+        if "keys" in self._calibration:
+            named["key_shift"], named["key_scale"] = self._calibration["keys"]
+        return named
+
+    def state_layout(self, meta: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        rows = (meta["batch_size"], meta["num_heads"])
+        layout = {}
+        for prefix, head_dim in (("key", meta["k_head_dim"]), ("value", meta["v_head_dim"])):
+            quantizer = KVQuantizer(self.mode, head_dim, self.group_size, self.rotate)
+            layout[f"{prefix}_codes"] = ((*rows, meta["slots"], quantizer.packed_dim), quantizer.storage_dtype)
+            layout[f"{prefix}_scales"] = ((*rows, meta["slots"], quantizer.groups), meta["dtype"])
+        if self.key_calibration:
+            layout["key_shift"] = layout["key_scale"] = ((*rows, 1, meta["k_head_dim"]), meta["dtype"])
+        return layout
+
+    def load_state(self, meta: Mapping[str, Any], **tensors: torch.Tensor) -> None:
+        """Hold exactly the state `meta` from the tensors of `state()` (same names), reallocating through
+        `lazy_initialization` unless allocated for it already (in place: static addresses stay)."""
+        device = tensors["key_codes"].device
+        self._allocate_for_state(meta, device)
+        length = meta["length"]
+        with writable(self._codes["keys"]):
+            self.reset()
+            for role, prefix in (("keys", "key"), ("values", "value")):
+                for store, name in ((self._codes, "codes"), (self._scales, "scales")):
+                    store[role][:, :, :length].copy_(tensors[f"{prefix}_{name}"])
+                    store[role][:, :, length:].zero_()
+            if "keys" in self._calibration:
+                for target, name in zip(self._calibration["keys"], ("key_shift", "key_scale")):
+                    target.copy_(tensors[name])
+            self.cumulative_length = length
+
 
 class StaticQuantizedFullLayer(QuantizedFullLayer):
     """`QuantizedFullLayer` with a fixed capacity, static addresses and a tensor counter, for `torch.compile`.
@@ -523,6 +404,8 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
 
     is_compileable = True
     cumulative_length = tensor_counter("length_tensor")
+    _counter_names = ("length_tensor", "floor_tensor")
+    write_floor = tensor_counter("floor_tensor")
 
     def __init__(
         self,
@@ -537,12 +420,19 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
             raise ValueError(f"`max_cache_len` must be >= 1, got {max_cache_len}.")
         self.max_cache_len = int(max_cache_len)
         self.length_tensor = torch.zeros((), dtype=torch.long)
+        self.floor_tensor = torch.full((), NOTHING_WRITTEN, dtype=torch.long)
         super().__init__(mode, workspace, group_size, rotate, key_calibration=key_calibration)
 
+    def note_write(self, position: int | torch.Tensor) -> None:
+        # A tensor op, so that compiled decode steps record their writes too (as in `StaticFullLayer`).
+        position = torch.as_tensor(position, device=self.floor_tensor.device)
+        torch.minimum(self.floor_tensor, position, out=self.floor_tensor)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.floor_tensor = self.floor_tensor.to(key_states.device)
         self._allocate(key_states, value_states, self.max_cache_len)
         self.length_tensor = self.length_tensor.to(self.device)
-        mark_static(*self.storage_tensors(), self.length_tensor)
+        mark_static(*self.storage_tensors(), self.length_tensor, self.floor_tensor)
         for role, states in (("keys", key_states), ("values", value_states)):
             shape = (self.batch_size, self.num_heads, self.max_cache_len, states.shape[-1])
             self.workspace.view(role, shape, self.dtype, self.device, exact=True)
@@ -556,6 +446,7 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
             if end == query_length:  # an empty layer: calibrate in place (static addresses)
                 self._calibrate(key_states)
         positions = self.length_tensor + torch.arange(query_length, device=self.device)
+        self.note_write(self.length_tensor)
         returned = []
         for role, states in (("keys", key_states), ("values", value_states)):
             quantizer = self.quantizers[role]
@@ -580,6 +471,9 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
+
+    def accepts_state(self, meta: Mapping[str, Any]) -> bool:
+        return super().accepts_state(meta) and meta["capacity"] == self.max_cache_len
 
     def get_max_length(self) -> int:
         return self.max_cache_len

@@ -1,27 +1,31 @@
-"""Persistence and snapshots of a `HybridRingCache`: one safetensors file (`save` / `load`) and in-memory checkpoints
-(`checkpoint` / `restore`).
+"""Persistence of a `HybridRingCache`: one safetensors file (`save` / `load`); in-memory checkpoints (`checkpoint` /
+`restore`) live in `checkpoints.py`.
 
-What a cache needs to continue exactly is small and explicit. A sliding layer's ring keeps position `p` in slot
-`p % max_slots` and holds positions `[oldest, length)`: its slots are saved as they are, in slot order, with the two
-counters, so a loaded ring is the same ring (same slots, same stale slots, same next write), before or after the
-wrap. A full layer is saved as its `length` tokens. KV-shared layers hold nothing. The file also records the cache's
-constructor arguments and what identifies the model config it belongs to, so that a file is never loaded into a model
-whose layers it does not fit.
-
-A checkpoint copies the rings only (about `sliding layers x window` slots) and remembers the full layers' lengths:
-restoring cuts the full layers back, which is exact as long as their tokens before the checkpoint were not rewritten
-since. Every storage layer records the lowest position written since it was last asked (`note_write` /
-`write_floor` in `storage.py`); the checkpoints of a cache collect those floors whenever a checkpoint is taken or
-restored, and `restore` refuses, naming the fix, when the tokens it would keep have been overwritten.
+What a cache needs to continue exactly is small and explicit, and every storage layer exports it itself through the
+surface of `storage.py` (`meta_state()`: counters, geometry and storage settings; `state()`: named tensors;
+`load_state(meta, **tensors)`). A sliding layer's ring keeps position `p` in slot `p % max_slots` and holds positions
+`[oldest, length)`: its slots are saved as they are, in slot order, with the two counters, so a loaded ring is the
+same ring (same slots, same stale slots, same next write), before or after the wrap. An exact full layer is saved as
+its `length` tokens; a compressed one (`full_layer_quantization`) as the codes and scales of its `length` tokens and
+its key calibration, never dequantized; a bounded one (`full_layer_window`) as its sink and window slots with its two
+counters, like a ring. KV-shared layers hold nothing. The file also records the cache's constructor arguments and what
+identifies the model config it belongs to, so that a file is never loaded into a model whose layers it does not fit.
 
 File layout (all metadata values are strings, as safetensors requires):
 
-- tensors `layers.<i>.keys` / `layers.<i>.values`: `[batch, kv_heads, slots, head_dim]` for every layer holding tokens;
-- `hybrid_cache.format` = `HybridRingCache`, `hybrid_cache.format_version` = `1`, `hybrid_cache.version`;
-- `hybrid_cache.state`: JSON, the constructor arguments and each layer's counters, shapes, dtype and CRC-32s;
+- tensors `layers.<i>.<name>` for every layer holding tokens, `<name>` from its `state()`: `keys` / `values`
+  (`[batch, kv_heads, slots, head_dim]`) for exact storage and bounded layers; `key_codes`, `key_scales`,
+  `value_codes`, `value_scales` (and `key_shift` / `key_scale` with key calibration) for compressed layers;
+- `hybrid_cache.format` = `HybridRingCache`, `hybrid_cache.format_version`, `hybrid_cache.version`;
+- `hybrid_cache.state`: JSON, the constructor arguments and each layer's counters, shapes, dtype, storage settings and
+  the CRC-32 of each of its tensors (`<name>_crc32`);
 - `hybrid_cache.model`: JSON, the layer structure (layer types, KV sharing, windows, KV heads, head sizes per layer)
   and the SHA-256 fingerprint of `hybrid_cache.config`, the model config (without volatile entries) as JSON;
 - every other key: the user's metadata, verbatim.
+
+Versions: `1` describes exact storage only (its arguments: `SAVED_ARGUMENTS`). `2` adds compressed and bounded full
+layers: the arguments add `STORAGE_ARGUMENTS`, and each such layer's entry its settings. Caches with exact storage are
+still written as version 1, byte for byte as before, so that earlier releases keep reading them; both are read.
 """
 
 from __future__ import annotations
@@ -31,10 +35,8 @@ import hashlib
 import json
 import os
 import uuid
-import weakref
 import zlib
-from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,21 +44,50 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .specs import FULL, OTHER_STAGE, SLIDING, declared_structure
-from .storage import NOTHING_WRITTEN
+from .checkpoints import (
+    COUNTER_FIELDS,
+    CacheCheckpoint,
+    LayerState,
+    read_layer_state,
+    refuse_stateless_layers,
+    restore_checkpoint,
+    take_checkpoint,
+)
+from .specs import FULL, SLIDING, declared_structure
+from .storage import writable
 from .version import __version__
 
 if TYPE_CHECKING:
     from .cache import HybridRingCache
 
-__all__ = ["RESERVED_PREFIX", "CacheCheckpoint", "read_metadata"]
+__all__ = [
+    "RESERVED_PREFIX",
+    "CacheCheckpoint",
+    "load_cache",
+    "load_into",
+    "read_metadata",
+    "restore_checkpoint",
+    "save_cache",
+    "take_checkpoint",
+]
 
 #: The constructor arguments the format records (`HybridRingCache.options`); the others are not saved.
 SAVED_ARGUMENTS = ("max_cache_len", "rollback_margin", "initial_capacity", "dense_decode_mask")
+#: The storage options version 2 adds (compressed / bounded full layers).
+STORAGE_ARGUMENTS = (
+    "full_layer_quantization",
+    "full_layer_group_size",
+    "full_layer_rotation",
+    "full_layer_key_calibration",
+    "full_layer_window",
+    "full_layer_sink_tokens",
+    "full_layer_code_attention",
+)
 #: Metadata keys starting with this prefix belong to hybrid_cache; user metadata may not use it.
 RESERVED_PREFIX = "hybrid_cache."
 FORMAT_KEY, FORMAT_NAME = RESERVED_PREFIX + "format", "HybridRingCache"
-VERSION_KEY, FORMAT_VERSION = RESERVED_PREFIX + "format_version", "1"
+VERSION_KEY, FORMAT_VERSION, EXACT_FORMAT_VERSION = RESERVED_PREFIX + "format_version", "2", "1"
+READ_VERSIONS = (EXACT_FORMAT_VERSION, FORMAT_VERSION)
 STATE_KEY, MODEL_KEY, CONFIG_KEY = RESERVED_PREFIX + "state", RESERVED_PREFIX + "model", RESERVED_PREFIX + "config"
 LIBRARY_KEY = RESERVED_PREFIX + "version"
 
@@ -114,46 +145,6 @@ _DTYPES = {
         torch.uint8,
     )
 }
-
-
-# --- one layer's state ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LayerState:
-    """The counters and geometry of one storing layer; its K/V content is kept beside it.
-
-    `slots` is how many slots (from slot 0) hold content worth keeping: a ring in time order (`oldest == 0`,
-    `length <= max_slots`) keeps `length`, a wrapped ring all its `max_slots` (in slot order, not time order); a full
-    layer keeps `length`. `capacity` is the allocated slot count, restored so that growth continues as it would have.
-    """
-
-    kind: str
-    length: int
-    oldest: int
-    capacity: int
-    slots: int
-    batch_size: int
-    num_heads: int
-    k_head_dim: int
-    v_head_dim: int
-    dtype: torch.dtype
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "dtype": str(self.dtype)}
-
-    def shape(self, head_dim: int) -> tuple[int, int, int, int]:
-        """`[batch, kv_heads, slots, head_dim]` of the saved keys (`k_head_dim`) or values (`v_head_dim`)."""
-        return (self.batch_size, self.num_heads, self.slots, head_dim)
-
-    def meta(self) -> dict[str, Any]:
-        """The layer's `meta_state()` this state was read from (what `load_state` takes)."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
-
-
-def read_layer_state(layer: Any) -> LayerState | None:
-    """The state of one layer of a cache (its `meta_state()`), or `None` when it holds no tokens (KV-shared, never
-    used, reset) or stores nothing."""
-    meta = layer.meta_state() if getattr(layer, "state_kind", None) is not None else None
-    return None if meta is None else LayerState(**meta)
 
 
 # --- model identity -----------------------------------------------------------------------------------------------
@@ -232,26 +223,9 @@ def _user_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return dict(metadata)
 
 
-def _check_exact_storage(cache: HybridRingCache, action: str) -> None:
-    """Refuse, naming the fix, a cache whose layers this format does not describe: compressed or bounded full layers
-    (`full_layer_quantization` / `full_layer_window`) and pipeline-parallel stages (`stage_layers`)."""
-    for index, (kind, layer) in enumerate(zip(cache.layer_kinds, cache.layers)):
-        if kind == OTHER_STAGE:
-            raise ValueError(
-                f"Cannot {action} a pipeline-parallel stage's cache (layer {index} runs on another stage): the format "
-                f"holds whole caches. Keep each stage's prefix in memory (`copy.deepcopy(cache)`) instead."
-            )
-        if kind in (SLIDING, FULL) and getattr(layer, "state_kind", None) is None:
-            raise ValueError(
-                f"Cannot {action} layer {index}: it is a {type(layer).__name__} (full_layer_quantization / "
-                f"full_layer_window), which save / load / checkpoint do not support yet. Use exact storage (the "
-                f"default) for prefix caches, or `copy.deepcopy(cache)` to keep a copy in memory."
-            )
-
-
 def save_cache(cache: HybridRingCache, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
     """Write `cache` to one safetensors file at `path` (see `HybridRingCache.save`)."""
-    _check_exact_storage(cache, "save")
+    refuse_stateless_layers(cache, "save")
     path = Path(os.fspath(path))
     header = _user_metadata(metadata)
     tensors: dict[str, torch.Tensor] = {}
@@ -262,16 +236,19 @@ def save_cache(cache: HybridRingCache, path: str | os.PathLike, metadata: Mappin
             layers.append(None)
             continue
         entry = state.to_json()
-        for name, tensor in zip(("keys", "values"), layer.state()):
+        for name, tensor in layer.state().items():
             held = tensor.detach().to("cpu").contiguous()
             tensors[f"layers.{index}.{name}"] = held
             entry[f"{name}_crc32"] = _crc32(held)
         layers.append(entry)
-    arguments = {name: getattr(cache.options, name) for name in SAVED_ARGUMENTS}
+    options = cache.options
+    exact = options.full_layer_quantization is None and options.full_layer_window is None
+    names = SAVED_ARGUMENTS if exact else SAVED_ARGUMENTS + STORAGE_ARGUMENTS
+    arguments = {name: getattr(options, name) for name in names}
     header.update(
         {
             FORMAT_KEY: FORMAT_NAME,
-            VERSION_KEY: FORMAT_VERSION,
+            VERSION_KEY: EXACT_FORMAT_VERSION if exact else FORMAT_VERSION,
             LIBRARY_KEY: __version__,
             STATE_KEY: json.dumps({"arguments": arguments, "layers": layers}),
             MODEL_KEY: json.dumps(model_identity(cache)),
@@ -328,10 +305,10 @@ class _Reader:
                 f"{self.path} is a safetensors file but not a saved HybridRingCache (its metadata has no "
                 f"{FORMAT_KEY!r} = {FORMAT_NAME!r}). Save caches with `cache.save(path)`."
             )
-        if self.header.get(VERSION_KEY) != FORMAT_VERSION:
+        if self.header.get(VERSION_KEY) not in READ_VERSIONS:
             raise ValueError(
                 f"{self.path} has HybridRingCache format version {self.header.get(VERSION_KEY)!r}; this version of "
-                f"hybrid_cache reads version {FORMAT_VERSION}. Re-create the file with this version."
+                f"hybrid_cache reads versions {' and '.join(READ_VERSIONS)}. Re-create the file with this version."
             )
 
     def json(self, key: str) -> Any:
@@ -340,17 +317,16 @@ class _Reader:
         except (KeyError, ValueError) as error:
             raise self.invalid(f"metadata {key!r} is missing or not JSON ({error})") from None
 
-    def tensor(self, name: str, state: LayerState, head_dim: int) -> torch.Tensor:
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if name not in self.names:
             raise self.invalid(f"tensor {name!r} is missing")
         try:
             tensor = self._file.get_tensor(name)
         except SafetensorError as error:
             raise self.invalid(f"tensor {name!r} cannot be read ({error})") from None
-        if tuple(tensor.shape) != state.shape(head_dim) or tensor.dtype != state.dtype:
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
             raise self.invalid(
-                f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, its state says {state.shape(head_dim)} "
-                f"{state.dtype}"
+                f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, its state says {shape} {dtype}"
             )
         return tensor
 
@@ -362,21 +338,59 @@ def _integer(entry: Mapping[str, Any], key: str, minimum: int = 0) -> int:
     return value
 
 
-def _parse_arguments(arguments: Any) -> dict[str, Any]:
+def _option(arguments: Mapping[str, Any], key: str, kind: type, minimum: int | None = None, optional: bool = True):
+    value = arguments.get(key)
+    if value is None and optional:
+        return None
+    if type(value) is not kind or (minimum is not None and value < minimum):
+        raise ValueError(f"{key!r} is {value!r}")
+    return value
+
+
+def _parse_arguments(arguments: Any, version: str) -> dict[str, Any]:
     if not isinstance(arguments, dict):
         raise ValueError("the cache arguments are missing")
-    max_cache_len = arguments.get("max_cache_len")
-    if max_cache_len is not None:
-        _integer(arguments, "max_cache_len", 1)
-    dense = arguments.get("dense_decode_mask")
-    if dense is not None and not isinstance(dense, bool):
-        raise ValueError(f"'dense_decode_mask' is {dense!r}")
-    return {
-        "max_cache_len": max_cache_len,
+    parsed = {
+        "max_cache_len": _option(arguments, "max_cache_len", int, 1),
         "rollback_margin": _integer(arguments, "rollback_margin"),
         "initial_capacity": _integer(arguments, "initial_capacity"),
-        "dense_decode_mask": dense,
+        "dense_decode_mask": _option(arguments, "dense_decode_mask", bool),
     }
+    if version == EXACT_FORMAT_VERSION:
+        return parsed
+    return {
+        **parsed,
+        "full_layer_quantization": _option(arguments, "full_layer_quantization", str),
+        "full_layer_group_size": _option(arguments, "full_layer_group_size", int, 1, optional=False),
+        "full_layer_rotation": _option(arguments, "full_layer_rotation", bool, optional=False),
+        "full_layer_key_calibration": _option(arguments, "full_layer_key_calibration", bool, optional=False),
+        "full_layer_window": _option(arguments, "full_layer_window", int, 1),
+        "full_layer_sink_tokens": _option(arguments, "full_layer_sink_tokens", int, 0),
+        "full_layer_code_attention": _option(arguments, "full_layer_code_attention", bool),
+    }
+
+
+# What each `state_kind` is, in the words of the options that choose it (for mismatch messages).
+_STORAGE_NAMES = {
+    "sliding_attention": "a sliding-window ring",
+    "full_attention": "exact full-attention storage",
+    "quantized_full_attention": "compressed full-attention storage (full_layer_quantization)",
+    "sink_window_full_attention": "bounded full-attention storage (full_layer_window)",
+}
+
+
+def _mismatch(entry: Any, layer: Any) -> str | None:
+    """How the storage a layer's entry was saved from differs from `layer`'s (its kind, then its settings)."""
+    kind = getattr(layer, "state_kind", None)
+    if not isinstance(entry, dict) or kind is None:
+        return None  # not a storage difference: `_parse_layer_state` reports it
+    saved = entry.get("kind")
+    if saved != kind:
+        return (
+            f"it holds the state of {_STORAGE_NAMES.get(saved, repr(saved))}, this cache has "
+            f"{_STORAGE_NAMES.get(kind, kind)}"
+        )
+    return layer.state_mismatch(entry)
 
 
 def _parse_layer_state(entry: Any, layer: Any) -> LayerState:
@@ -386,69 +400,119 @@ def _parse_layer_state(entry: Any, layer: Any) -> LayerState:
         raise ValueError(f"its state is {entry!r}, expected a {kind or 'storing'} layer")
     if entry.get("dtype") not in _DTYPES:
         raise ValueError(f"dtype {entry.get('dtype')!r} is not supported")
+    minimums = {"kind": None, "dtype": None, "oldest": 0}
+    counters = {
+        name: _integer(entry, name, minimums.get(name, 1)) for name in COUNTER_FIELDS if name not in ("kind", "dtype")
+    }
     state = LayerState(
-        kind=kind,
-        length=_integer(entry, "length", 1),
-        oldest=_integer(entry, "oldest"),
-        capacity=_integer(entry, "capacity", 1),
-        slots=_integer(entry, "slots", 1),
-        batch_size=_integer(entry, "batch_size", 1),
-        num_heads=_integer(entry, "num_heads", 1),
-        k_head_dim=_integer(entry, "k_head_dim", 1),
-        v_head_dim=_integer(entry, "v_head_dim", 1),
-        dtype=_DTYPES[entry["dtype"]],
+        kind=kind, dtype=_DTYPES[entry["dtype"]], settings=tuple(layer.state_settings().items()), **counters
     )
     if not layer.accepts_state(state.meta()):
         raise ValueError(f"its counters are inconsistent ({state.to_json()})")
     return state
 
 
+def _read_states(reader: _Reader, cache: HybridRingCache, device: torch.device, fix: str | None) -> list[tuple]:
+    """Every layer's saved state and tensors (on `device`), checked against `cache`'s layers before anything is
+    loaded. A layer whose storage differs raises naming `fix` (loading into a cache built elsewhere), or as an
+    invalid file (`fix=None`: the cache was built from the file's own arguments)."""
+    state, model, saved_config = reader.json(STATE_KEY), reader.json(MODEL_KEY), reader.json(CONFIG_KEY)
+    check_model(reader.path, model, saved_config, cache)
+    entries = state.get("layers")
+    if not isinstance(entries, list) or len(entries) != len(cache.layers):
+        raise reader.invalid(f"it describes {len(entries) if isinstance(entries, list) else 'no'} layers")
+    plan: list[tuple[Any, LayerState, int]] = []
+    for index, (layer, entry) in enumerate(zip(cache.layers, entries)):
+        if entry is None:
+            continue
+        difference = _mismatch(entry, layer)
+        if difference is not None and fix is not None:
+            raise ValueError(
+                f"{reader.path} was saved from a cache with other storage: layer {index}: {difference}. {fix}"
+            )
+        try:
+            if difference is not None:
+                raise ValueError(difference)
+            plan.append((layer, _parse_layer_state(entry, layer), index))
+        except ValueError as error:
+            raise reader.invalid(f"layer {index}: {error}") from None
+    layouts = {(s.length, s.batch_size) for _, s, _ in plan}
+    if len(layouts) > 1:
+        raise reader.invalid(f"its layers disagree on (length, batch size): {sorted(layouts)}")
+    try:
+        expected = [(layer, s, index, layer.state_layout(s.meta())) for layer, s, index in plan]
+    except ValueError as error:
+        raise reader.invalid(str(error)) from None
+    expected_names = {f"layers.{index}.{name}" for _, _, index, layout in expected for name in layout}
+    if reader.names != expected_names:
+        raise reader.invalid(f"unexpected tensors {sorted(reader.names ^ expected_names)}")
+    loaded = []
+    for layer, layer_state, index, layout in expected:
+        tensors = {}
+        for name, (shape, dtype) in layout.items():
+            tensor = reader.tensor(f"layers.{index}.{name}", shape, dtype)
+            if _crc32(tensor) != entries[index].get(f"{name}_crc32"):
+                raise reader.invalid(f"the CRC-32 of tensor 'layers.{index}.{name}' does not match (corrupted)")
+            tensors[name] = tensor.to(device)
+        loaded.append((layer, layer_state, tensors))
+    return loaded
+
+
+def _open_checked(reader: _Reader) -> dict[str, Any]:
+    """The parsed constructor arguments of a file whose format and metadata are valid."""
+    reader.check_format()
+    state, model, saved_config = reader.json(STATE_KEY), reader.json(MODEL_KEY), reader.json(CONFIG_KEY)
+    if not isinstance(state, dict) or not isinstance(model, dict) or not isinstance(saved_config, dict):
+        raise reader.invalid("its state / model metadata are not JSON objects")
+    try:
+        return _parse_arguments(state.get("arguments"), reader.header[VERSION_KEY])
+    except ValueError as error:
+        raise reader.invalid(str(error)) from None
+
+
 def load_cache(
     cls: type[HybridRingCache], path: str | os.PathLike, config: Any, device: torch.device | str | None = None
 ) -> HybridRingCache:
-    """Read a cache written by `save_cache` (see `HybridRingCache.load`)."""
+    """Read a cache written by `save_cache` (see `HybridRingCache.load`): built with the arguments the file records."""
     path = Path(os.fspath(path))
     device = torch.device("cpu" if device is None else device)
     with _Reader(path) as reader:
-        reader.check_format()
-        state, model, saved_config = reader.json(STATE_KEY), reader.json(MODEL_KEY), reader.json(CONFIG_KEY)
-        if not isinstance(state, dict) or not isinstance(model, dict) or not isinstance(saved_config, dict):
-            raise reader.invalid("its state / model metadata are not JSON objects")
+        arguments = _open_checked(reader)
         try:
-            arguments = _parse_arguments(state.get("arguments"))
+            cache = cls(config, **arguments)
         except ValueError as error:
-            raise reader.invalid(str(error)) from None
-        cache = cls(config, **arguments)
-        check_model(path, model, saved_config, cache)
-        entries = state.get("layers")
-        if not isinstance(entries, list) or len(entries) != len(cache.layers):
-            raise reader.invalid(f"it describes {len(entries) if isinstance(entries, list) else 'no'} layers")
-        plan: list[tuple[Any, LayerState, str]] = []
-        for index, (layer, entry) in enumerate(zip(cache.layers, entries)):
-            if entry is None:
-                continue
-            try:
-                plan.append((layer, _parse_layer_state(entry, layer), str(index)))
-            except ValueError as error:
-                raise reader.invalid(f"layer {index}: {error}") from None
-        layouts = {(s.length, s.batch_size) for _, s, _ in plan}
-        if len(layouts) > 1:
-            raise reader.invalid(f"its layers disagree on (length, batch size): {sorted(layouts)}")
-        expected_names = {f"layers.{index}.{name}" for _, _, index in plan for name in ("keys", "values")}
-        if reader.names != expected_names:
-            raise reader.invalid(f"unexpected tensors {sorted(reader.names ^ expected_names)}")
-        contents = []
-        for _layer, layer_state, index in plan:
-            tensors = []
-            for name, head_dim in (("keys", layer_state.k_head_dim), ("values", layer_state.v_head_dim)):
-                tensor = reader.tensor(f"layers.{index}.{name}", layer_state, head_dim)
-                if _crc32(tensor) != entries[int(index)].get(f"{name}_crc32"):
-                    raise reader.invalid(f"the CRC-32 of tensor 'layers.{index}.{name}' does not match (corrupted)")
-                tensors.append(tensor.to(device))
-            contents.append(tensors)
-    for (layer, layer_state, _), (keys, values) in zip(plan, contents):
-        layer.load_state(layer_state.meta(), keys, values)
+            raise reader.invalid(f"its arguments {arguments} do not build a cache ({error})") from None
+        loaded = _read_states(reader, cache, device, fix=None)
+    for layer, layer_state, tensors in loaded:
+        layer.load_state(layer_state.meta(), **tensors)
     return cache
+
+
+def load_into(cache: HybridRingCache, path: str | os.PathLike, device: torch.device | str | None = None) -> None:
+    """Load a file written by `HybridRingCache.save` into `cache`, which must store its layers as the saved cache did
+    (same `full_layer_*` storage options, `max_cache_len` and `rollback_margin`); `HybridRingCache.load` instead
+    builds that cache from the file. Tensors go to `device` (default: where `cache` holds its tokens, else CPU).
+
+    Raises:
+        ValueError: the storage differs (naming the layer, the option and its two values) or the model does; the
+            file is not a valid saved cache. Nothing is changed then.
+    """
+    path = Path(os.fspath(path))
+    refuse_stateless_layers(cache, "load into")
+    held = [t for layer in cache.layers if getattr(layer, "state_kind", None) for t in layer.storage_tensors()]
+    device = torch.device(device if device is not None else held[0].device if held else "cpu")
+    with _Reader(path) as reader:
+        arguments = _open_checked(reader)
+        saved = ", ".join(f"{name}={value!r}" for name, value in arguments.items() if name in STORAGE_ARGUMENTS)
+        fix = (
+            f"Create the cache with the storage options the file was saved with ({saved or 'the defaults'}), or "
+            f"load it with `HybridRingCache.load(path, config)`, which builds that cache."
+        )
+        loaded = _read_states(reader, cache, device, fix=fix)
+    with writable(held[0] if held else None):
+        cache.reset()
+    for layer, layer_state, tensors in loaded:
+        layer.load_state(layer_state.meta(), **tensors)
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -462,139 +526,3 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     with _Reader(path) as reader:
         reader.check_format()
         return {k: v for k, v in reader.header.items() if not k.startswith(RESERVED_PREFIX)}
-
-
-# --- checkpoints ------------------------------------------------------------------------------------------------
-# Live checkpoints of every cache, so that each one learns about the writes made while another was newer.
-_CHECKPOINTS: weakref.WeakKeyDictionary[HybridRingCache, weakref.WeakSet[CacheCheckpoint]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-class CacheCheckpoint:
-    """An in-memory snapshot of a `HybridRingCache`, made by `cache.checkpoint()`, used by `cache.restore()`.
-
-    It holds a copy of every ring's slots and counters (at most `window + rollback_margin` slots per sliding layer)
-    and, for full-attention layers, their length only: it never keeps their history (or its storage) alive.
-    `restore` can be called any number of times, after decoding, cropping or resetting, as long as the batch size
-    is the same and the full layers' tokens before the checkpoint were not rewritten since.
-
-    Attributes:
-        length (`int`): tokens the cache held when the checkpoint was taken.
-    """
-
-    def __init__(
-        self, cache: HybridRingCache, states: list[LayerState | None], contents: list[tuple[torch.Tensor, ...] | None]
-    ) -> None:
-        self._cache = weakref.ref(cache)
-        self._states = states
-        self._contents = contents
-        # Lowest position written in each layer since this checkpoint (collected from the layers' write floors).
-        self._floors = [NOTHING_WRITTEN] * len(states)
-        self.length = max((s.length for s in states if s is not None), default=0)
-
-    def nbytes(self) -> int:
-        """Bytes of K/V content this checkpoint holds (the rings' slots)."""
-        return sum(t.numel() * t.element_size() for c in self._contents if c is not None for t in c)
-
-    def __repr__(self) -> str:
-        return f"CacheCheckpoint(length={self.length}, nbytes={self.nbytes()})"
-
-    # A checkpoint never changes once taken, and its cache must know every copy of it (to tell it about later
-    # writes): copies are the checkpoint itself, and it does not leave the process.
-    def __copy__(self) -> CacheCheckpoint:
-        return self
-
-    def __deepcopy__(self, memo: dict) -> CacheCheckpoint:
-        return self
-
-    def __reduce__(self) -> Any:
-        raise TypeError(
-            "A CacheCheckpoint lives in memory next to its cache and cannot be pickled; save the cache itself with "
-            "`cache.save(path)` and load it with `HybridRingCache.load(path, config)`."
-        )
-
-
-def _full_layers(cache: HybridRingCache) -> Iterator[tuple[int, Any]]:
-    return ((i, layer) for i, layer in enumerate(cache.layers) if getattr(layer, "state_kind", None) == FULL)
-
-
-def _collect_write_floors(cache: HybridRingCache) -> None:
-    """Hand the full layers' write floors to every live checkpoint of `cache`, then clear them."""
-    live = _CHECKPOINTS.get(cache, ())
-    for index, layer in _full_layers(cache):
-        floor = layer.take_write_floor()
-        for checkpoint in live:
-            checkpoint._floors[index] = min(checkpoint._floors[index], floor)
-
-
-def take_checkpoint(cache: HybridRingCache) -> CacheCheckpoint:
-    """See `HybridRingCache.checkpoint`."""
-    _check_exact_storage(cache, "checkpoint")
-    _collect_write_floors(cache)
-    states, contents = [], []
-    for layer in cache.layers:
-        state = read_layer_state(layer)
-        states.append(state)
-        if state is not None and state.kind == SLIDING:
-            contents.append(tuple(tensor.clone() for tensor in layer.state()))
-        else:
-            contents.append(None)
-    checkpoint = CacheCheckpoint(cache, states, contents)
-    _CHECKPOINTS.setdefault(cache, weakref.WeakSet()).add(checkpoint)
-    return checkpoint
-
-
-def _check_restorable(cache: HybridRingCache, checkpoint: CacheCheckpoint) -> None:
-    """Raise, naming the fix, unless `checkpoint` can be restored exactly into `cache` (nothing is changed)."""
-    for index, (layer, state) in enumerate(zip(cache.layers, checkpoint._states)):
-        if state is None:
-            continue
-        contents = checkpoint._contents[index]
-        if not layer.same_state_layout(state.meta()) or (contents is not None and layer.device != contents[0].device):
-            held = (
-                f"batch_size={layer.batch_size}, kv_heads={layer.num_heads}, {layer.dtype} on {layer.device}"
-                if layer.is_initialized
-                else "nothing allocated"
-            )
-            raise ValueError(
-                f"Cannot restore the checkpoint: layer {index} now holds {held}, but the checkpoint was taken with "
-                f"batch_size={state.batch_size}, kv_heads={state.num_heads}, {state.dtype}. A checkpoint restores "
-                f"into the same batch size, dtype and device: take it after `batch_repeat_interleave`, or keep a "
-                f"`copy.deepcopy(cache)` instead."
-            )
-        if state.kind == FULL:
-            floor = min(checkpoint._floors[index], int(layer.write_floor))
-            if floor < state.length:
-                raise ValueError(
-                    f"Cannot restore the checkpoint exactly: full-attention layer {index} no longer holds its "
-                    f"{state.length} tokens (positions from {floor} on were rewritten since: a crop or reset below "
-                    f"the checkpoint followed by new tokens, a beam-search reorder, or a reallocation). A checkpoint "
-                    f"keeps only the sliding-window rings; to go back further, keep `copy.deepcopy(cache)` or "
-                    f"`cache.save(path)` instead."
-                )
-
-
-def restore_checkpoint(cache: HybridRingCache, checkpoint: CacheCheckpoint) -> None:
-    """See `HybridRingCache.restore`."""
-    if not isinstance(checkpoint, CacheCheckpoint):
-        raise TypeError(
-            f"restore() takes a CacheCheckpoint from `cache.checkpoint()`, got {type(checkpoint).__name__}."
-        )
-    if checkpoint._cache() is not cache:
-        raise ValueError(
-            "This checkpoint was taken from another cache. Restore it into the cache it came from; to branch a cache "
-            "into an independent one, use `copy.deepcopy(cache)`."
-        )
-    _check_restorable(cache, checkpoint)
-    _collect_write_floors(cache)
-    for layer, state, contents in zip(cache.layers, checkpoint._states, checkpoint._contents):
-        if getattr(layer, "state_kind", None) is None:
-            continue
-        if state is None:
-            if layer.is_initialized:
-                layer.clear()
-        elif state.kind == SLIDING:
-            layer.load_state(state.meta(), *contents)
-        else:
-            layer.set_length(state.length)

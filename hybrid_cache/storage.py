@@ -283,9 +283,13 @@ class StorageLayer(CacheLayerMixin):
         return batch_size * num_heads * slots * (k_head_dim + v_head_dim) * element_size
 
     # --- state (hybrid_cache.snapshot): what a layer needs to continue exactly, as tensors and scalars ------------
-    #: The `kind` its state is tagged with (`"sliding_attention"` rings, `"full_attention"` exact full layers);
-    #: `None`: this storage exports no state (the snapshot format does not describe it yet).
+    #: The `kind` its state is tagged with (`"sliding_attention"` rings, `"full_attention"` exact full layers,
+    #: `"quantized_full_attention"`, `"sink_window_full_attention"`); `None`: this storage exports no state.
     state_kind: str | None = None
+    #: Whether an in-memory checkpoint keeps only this layer's length: time-ordered storage whose tokens are never
+    #: rewritten in place while held (every write is recorded by `note_write`), so cutting it back is exact as long
+    #: as the write floor stays above the length. Rings (`UndoableStepLayer`) overwrite slots: their state is copied.
+    restores_by_length = True
 
     def held_from(self) -> int:
         """Lowest position the layer still holds (time-ordered storage holds every position from 0)."""
@@ -295,10 +299,15 @@ class StorageLayer(CacheLayerMixin):
         """How many slots (from slot 0) hold content worth keeping: the length for time-ordered storage."""
         return int(self.cumulative_length)
 
+    def state_settings(self) -> dict[str, Any]:
+        """The storage settings a state is taken with and must be loaded with, named as the `HybridRingCache`
+        options that set them (`{"full_layer_quantization": "int8", ...}`); empty for exact storage."""
+        return {}
+
     def meta_state(self) -> dict[str, Any] | None:
         """The layer's counters and geometry (`kind`, `length`, `oldest`, `capacity`, `slots`, `batch_size`,
-        `num_heads`, `k_head_dim`, `v_head_dim`, `dtype`), or `None` while it holds no tokens. `capacity` is the
-        allocated slot count, restored so that growth continues as it would have."""
+        `num_heads`, `k_head_dim`, `v_head_dim`, `dtype`) and its `state_settings()`, or `None` while it holds no
+        tokens. `capacity` is the allocated slot count, restored so that growth continues as it would have."""
         if self.state_kind is None:
             raise NotImplementedError(f"{type(self).__name__} does not export its state.")
         if not self.is_initialized or int(self.cumulative_length) == 0:
@@ -319,13 +328,33 @@ class StorageLayer(CacheLayerMixin):
             "k_head_dim": int(self.k_head_dim),
             "v_head_dim": int(self.v_head_dim),
             "dtype": self.dtype,
+            **self.state_settings(),
         }
 
-    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the held slots `[0, meta_state()["slots"])` of keys and values, `[batch, kv_heads, slots,
-        head_dim]` (slot order: a wrapped ring's slots are not in time order)."""
+    def state(self) -> dict[str, torch.Tensor]:
+        """The layer's content as named tensors, `load_state(meta, **state())`'s keyword arguments: here views of
+        the held slots `[0, meta_state()["slots"])` of `keys` and `values`, `[batch, kv_heads, slots, head_dim]`
+        (slot order: a wrapped ring's slots are not in time order). Compressed storage names its codes, scales and
+        calibration instead (`state_layout`)."""
         slots = self.held_slots()
-        return self.keys[:, :, :slots], self.values[:, :, :slots]
+        return {"keys": self.keys[:, :, :slots], "values": self.values[:, :, :slots]}
+
+    def state_layout(self, meta: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The `(shape, dtype)` of every tensor of a state with these counters, by name (what a file must hold)."""
+        shape = (meta["batch_size"], meta["num_heads"], meta["slots"])
+        return {
+            "keys": ((*shape, meta["k_head_dim"]), meta["dtype"]),
+            "values": ((*shape, meta["v_head_dim"]), meta["dtype"]),
+        }
+
+    def state_mismatch(self, meta: Mapping[str, Any]) -> str | None:
+        """`None` when this layer's settings are those the state was taken with, else the first difference as
+        `"<option>: file <value>, cache <value>"` (the caller names the fix)."""
+        settings = self.state_settings()
+        for name, value in settings.items():
+            if meta.get(name) != value:
+                return f"{name}: state {meta.get(name)!r}, this cache {value!r}"
+        return None
 
     def accepts_state(self, meta: Mapping[str, Any]) -> bool:
         """Whether this layer can hold a state with these counters (checked before anything is loaded)."""
@@ -338,19 +367,26 @@ class StorageLayer(CacheLayerMixin):
             == (meta["batch_size"], meta["num_heads"], meta["k_head_dim"], meta["v_head_dim"], meta["dtype"])
         )
 
+    def _allocate_for_state(self, meta: Mapping[str, Any], device: torch.device) -> bool:
+        """Reallocate (through the layer's own `lazy_initialization`) unless already allocated for `meta` on
+        `device`; returns whether it reallocated."""
+        if self.same_state_layout(meta) and self.capacity == meta["capacity"] and self.device == device:
+            return False
+        template = torch.empty((), dtype=meta["dtype"], device=device)
+        shape = (meta["batch_size"], meta["num_heads"], meta["capacity"])
+        self.lazy_initialization(
+            template.expand(*shape, meta["k_head_dim"]), template.expand(*shape, meta["v_head_dim"])
+        )
+        return True
+
     def load_state(self, meta: Mapping[str, Any], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Hold exactly the state `meta` with slots `[0, slots)` from `keys` / `values` (the rest of a ring zero).
+        """Hold exactly the state `meta` with slots `[0, slots)` from `keys` / `values` (the tensors of `state()`).
 
         A layer already allocated with the same layout and capacity is written in place (compiled graphs keep their
         static addresses); otherwise it is reallocated, through its own `lazy_initialization`, on `keys`' device.
         Pending undo state is dropped through `reset()`.
         """
-        if not self.same_state_layout(meta) or self.capacity != meta["capacity"] or self.device != keys.device:
-            template = torch.empty((), dtype=meta["dtype"], device=keys.device)
-            shape = (meta["batch_size"], meta["num_heads"], meta["capacity"])
-            self.lazy_initialization(
-                template.expand(*shape, meta["k_head_dim"]), template.expand(*shape, meta["v_head_dim"])
-            )
+        self._allocate_for_state(meta, keys.device)
         slots = meta["slots"]
         with writable(self.keys):
             self.reset()
@@ -358,18 +394,22 @@ class StorageLayer(CacheLayerMixin):
             self.values[:, :, :slots].copy_(values)
             self._load_counters(meta)
 
+    def _first_storage_tensor(self) -> torch.Tensor | None:
+        """A storage tensor (`writable` follows its inference mode), None before allocation."""
+        return self.storage_tensors()[0] if self.is_initialized else None
+
     def _load_counters(self, meta: Mapping[str, Any]) -> None:
         self.cumulative_length = meta["length"]
 
     def set_length(self, length: int) -> None:
         """Set the length of time-ordered storage whose tokens before `length` are intact (a checkpoint's restore:
         see `take_write_floor`)."""
-        with writable(self.keys if self.is_initialized else None):
+        with writable(self._first_storage_tensor()):
             self.cumulative_length = length
 
     def clear(self) -> None:
         """`reset()`, also for storage made under `torch.inference_mode()`."""
-        with writable(self.keys if self.is_initialized else None):
+        with writable(self._first_storage_tensor()):
             self.reset()
 
     def take_write_floor(self) -> int:
@@ -462,6 +502,7 @@ class UndoableStepLayer(StorageLayer):
     """
 
     _undo = None
+    restores_by_length = False  # slots are overwritten in place: a checkpoint copies them
 
     def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
         """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise changing nothing."""

@@ -21,13 +21,14 @@ Slot layout: position `p < S` lives in slot `p`; position `p >= S` in slot `S + 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 
 from .errors import RollbackError
 from .mask_hook import RingLayout
-from .storage import UndoableStepLayer, resolve_crop_length
+from .storage import UndoableStepLayer, resolve_crop_length, writable
 
 __all__ = ["SinkWindowFullLayer"]
 
@@ -203,6 +204,40 @@ class SinkWindowFullLayer(UndoableStepLayer):
         kept = new_length - undo.length
         if kept:
             self._write_newest(undo.new_keys[:, :, :kept], undo.new_values[:, :, :kept])
+
+    # --- state (see `StorageLayer.meta_state`): the slots as they are, in slot order, with the two counters --------
+    state_kind = "sink_window_full_attention"
+
+    def held_from(self) -> int:
+        return int(self._oldest)
+
+    def held_slots(self) -> int:
+        """Slots ever written: positions `[0, length)` fill slots `[0, length)` until the ring part wraps."""
+        return min(int(self.cumulative_length), self.max_slots)
+
+    def state_settings(self) -> dict[str, Any]:
+        return {
+            "full_layer_sink_tokens": self.sink_tokens,
+            "full_layer_window": self.window,
+            "rollback_margin": self.rollback_margin,
+        }
+
+    def accepts_state(self, meta: Mapping[str, Any]) -> bool:
+        length, oldest = meta["length"], meta["oldest"]
+        return (
+            max(0, length - self.ring_slots) <= oldest <= max(length, self.sink_tokens)
+            and meta["slots"] == min(length, self.max_slots)
+            and meta["capacity"] == self.max_slots
+        )
+
+    def load_state(self, meta: Mapping[str, Any], keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().load_state(meta, keys, values)
+        with writable(self.keys):
+            self.keys[:, :, meta["slots"] :].zero_()
+            self.values[:, :, meta["slots"] :].zero_()
+
+    def _load_counters(self, meta: Mapping[str, Any]) -> None:
+        self.cumulative_length, self._oldest = meta["length"], meta["oldest"]
 
     def extra_nbytes(self) -> int:
         """Counters plus what is kept to undo the last speculative step (while recording past)."""
