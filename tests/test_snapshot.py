@@ -735,19 +735,3 @@ def test_compiled_decode_checkpoint_restore():
     decode(cache, compiled, 1, 50)  # a compiled write at position 7 < 9
     with pytest.raises(ValueError, match="no longer holds its 9 tokens"):
         cache.restore(checkpoint)
-
-
-@pytest.mark.parametrize(
-    "kwargs", [{"full_layer_quantization": "int8"}, {"full_layer_window": 8}], ids=["compressed", "bounded"]
-)
-def test_approximate_full_layers_are_refused_clearly(kwargs, tmp_path):
-    """The format describes exact storage only: save and checkpoint of compressed / bounded full layers raise a
-    ValueError naming the option (never a file or a checkpoint that would not continue as the cache would)."""
-    model = MODEL_BUILDERS["gemma3"](window=4)
-    cache = HybridRingCache(model.config, **kwargs)
-    chunked_logits(model, cache, torch.randint(3, VOCAB, (1, 12)), [9, 1, 1, 1])
-    with pytest.raises(ValueError, match="full_layer_quantization / full_layer_window"):
-        cache.save(tmp_path / "cache.safetensors")
-    assert not list(tmp_path.iterdir()), "a refused save left a file behind"
-    with pytest.raises(ValueError, match="full_layer_quantization / full_layer_window"):
-        cache.checkpoint()
