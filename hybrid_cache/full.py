@@ -20,7 +20,38 @@ from .storage import (
     tensor_counter,
 )
 
-__all__ = ["GrowableFullLayer", "StaticFullLayer"]
+__all__ = ["FixedCapacityCounters", "GrowableFullLayer", "StaticFullLayer"]
+
+
+class FixedCapacityCounters:
+    """The tensor counters of a fixed-capacity layer (for `torch.compile`): its length and its write floor live in
+    0-d tensors, so compiled steps never specialize on a Python integer. Mixed into a `StorageLayer` subclass, before
+    it in the bases; the layer calls `init_counters(max_cache_len)` in `__init__` and `allocate_fixed(...)` from its
+    `lazy_initialization`."""
+
+    cumulative_length = tensor_counter("length_tensor")
+    write_floor = tensor_counter("floor_tensor")
+    _counter_names = ("length_tensor", "floor_tensor")
+
+    def init_counters(self, max_cache_len: int) -> None:
+        if max_cache_len < 1:
+            raise ValueError(f"`max_cache_len` must be >= 1, got {max_cache_len}.")
+        self.max_cache_len = int(max_cache_len)
+        self.length_tensor = torch.zeros((), dtype=torch.long)
+        self.floor_tensor = torch.full((), NOTHING_WRITTEN, dtype=torch.long)
+
+    def note_write(self, position: int | torch.Tensor) -> None:
+        # A tensor op, so that compiled decode steps record their writes too.
+        position = torch.as_tensor(position, device=self.floor_tensor.device)
+        torch.minimum(self.floor_tensor, position, out=self.floor_tensor)
+
+    def allocate_fixed(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate `max_cache_len` slots like `key_states` / `value_states`, move the counters to their device and
+        mark storage and counters as static addresses."""
+        self.floor_tensor = self.floor_tensor.to(key_states.device)
+        self._allocate(key_states, value_states, self.max_cache_len)
+        self.length_tensor = self.length_tensor.to(self.device)
+        mark_static(*self.storage_tensors(), self.length_tensor, self.floor_tensor)
 
 
 class GrowableFullLayer(StorageLayer):
@@ -85,7 +116,7 @@ class GrowableFullLayer(StorageLayer):
             self.note_write(0)
 
 
-class StaticFullLayer(StorageLayer):
+class StaticFullLayer(FixedCapacityCounters, StorageLayer):
     """A full-attention layer with a fixed, preallocated capacity (for `torch.compile`; static tensor addresses).
 
     Like transformers' `StaticLayer`, it returns the whole buffer (`max_cache_len` slots, time-ordered; slots past
@@ -99,28 +130,13 @@ class StaticFullLayer(StorageLayer):
     is_sliding = False
     is_compileable = True
     state_kind = "full_attention"
-    cumulative_length = tensor_counter("length_tensor")
-    _counter_names = ("length_tensor", "floor_tensor")
-    write_floor = tensor_counter("floor_tensor")
 
     def __init__(self, max_cache_len: int) -> None:
-        if max_cache_len < 1:
-            raise ValueError(f"`max_cache_len` must be >= 1, got {max_cache_len}.")
-        self.max_cache_len = int(max_cache_len)
-        self.length_tensor = torch.zeros((), dtype=torch.long)
-        self.floor_tensor = torch.full((), NOTHING_WRITTEN, dtype=torch.long)
+        self.init_counters(max_cache_len)
         super().__init__()
 
-    def note_write(self, position: int | torch.Tensor) -> None:
-        # A tensor op, so that compiled decode steps record their writes too.
-        position = torch.as_tensor(position, device=self.floor_tensor.device)
-        torch.minimum(self.floor_tensor, position, out=self.floor_tensor)
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.floor_tensor = self.floor_tensor.to(key_states.device)
-        self._allocate(key_states, value_states, self.max_cache_len)
-        self.length_tensor = self.length_tensor.to(self.device)
-        mark_static(self.keys, self.values, self.length_tensor, self.floor_tensor)
+        self.allocate_fixed(key_states, value_states)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs

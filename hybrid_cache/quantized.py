@@ -49,15 +49,14 @@ import torch
 from transformers.utils import is_torchdynamo_compiling
 
 from .code_attention import CODE_ATTENTION_MODES, MAX_CODE_QUERY_LENGTH, CompressedHistory, CompressedKV
+from .full import FixedCapacityCounters
 from .quantizer import CALIBRATION_FLOOR, DEFAULT_GROUP_SIZE, QUANTIZATION_MODES, KVQuantizer, hadamard_matrix
 from .storage import (
     GROWTH_FACTOR,
-    NOTHING_WRITTEN,
     StorageLayer,
     grown_capacity,
     mark_static,
     prepare_fixed_capacity_step,
-    tensor_counter,
     writable,
 )
 
@@ -391,7 +390,7 @@ class QuantizedFullLayer(StorageLayer):
             self.cumulative_length = length
 
 
-class StaticQuantizedFullLayer(QuantizedFullLayer):
+class StaticQuantizedFullLayer(FixedCapacityCounters, QuantizedFullLayer):
     """`QuantizedFullLayer` with a fixed capacity, static addresses and a tensor counter, for `torch.compile`.
 
     Like `StaticFullLayer`, it returns `max_cache_len` slots (the ones past the length are masked by causality); the
@@ -403,9 +402,6 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
     """
 
     is_compileable = True
-    cumulative_length = tensor_counter("length_tensor")
-    _counter_names = ("length_tensor", "floor_tensor")
-    write_floor = tensor_counter("floor_tensor")
 
     def __init__(
         self,
@@ -416,23 +412,11 @@ class StaticQuantizedFullLayer(QuantizedFullLayer):
         rotate: bool = False,
         key_calibration: bool = True,
     ) -> None:
-        if max_cache_len < 1:
-            raise ValueError(f"`max_cache_len` must be >= 1, got {max_cache_len}.")
-        self.max_cache_len = int(max_cache_len)
-        self.length_tensor = torch.zeros((), dtype=torch.long)
-        self.floor_tensor = torch.full((), NOTHING_WRITTEN, dtype=torch.long)
+        self.init_counters(max_cache_len)
         super().__init__(mode, workspace, group_size, rotate, key_calibration=key_calibration)
 
-    def note_write(self, position: int | torch.Tensor) -> None:
-        # A tensor op, so that compiled decode steps record their writes too (as in `StaticFullLayer`).
-        position = torch.as_tensor(position, device=self.floor_tensor.device)
-        torch.minimum(self.floor_tensor, position, out=self.floor_tensor)
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.floor_tensor = self.floor_tensor.to(key_states.device)
-        self._allocate(key_states, value_states, self.max_cache_len)
-        self.length_tensor = self.length_tensor.to(self.device)
-        mark_static(*self.storage_tensors(), self.length_tensor, self.floor_tensor)
+        self.allocate_fixed(key_states, value_states)
         for role, states in (("keys", key_states), ("values", value_states)):
             shape = (self.batch_size, self.num_heads, self.max_cache_len, states.shape[-1])
             self.workspace.view(role, shape, self.dtype, self.device, exact=True)

@@ -22,7 +22,6 @@ from .storage import (
     refuse_static_autograd,
     resolve_crop_length,
     tensor_counter,
-    writable,
 )
 
 __all__ = ["RingSlidingLayer", "RingStepUndo", "StaticRingSlidingLayer", "ring_slots"]
@@ -261,15 +260,6 @@ class RingSlidingLayer(UndoableStepLayer):
             max(0, length - self.max_slots) <= oldest <= length
             and slots == ring_slots(length, oldest, self.max_slots) <= capacity <= self.max_slots
         )
-
-    def load_state(self, meta: Mapping[str, Any], keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().load_state(meta, keys, values)
-        with writable(self.keys):
-            self.keys[:, :, meta["slots"] :].zero_()
-            self.values[:, :, meta["slots"] :].zero_()
-
-    def _load_counters(self, meta: Mapping[str, Any]) -> None:
-        self.cumulative_length, self._oldest = meta["length"], meta["oldest"]
 
     # --- protocol -------------------------------------------------------------------------------------------------
     def extra_nbytes(self) -> int:

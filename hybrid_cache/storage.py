@@ -504,6 +504,17 @@ class UndoableStepLayer(StorageLayer):
     _undo = None
     restores_by_length = False  # slots are overwritten in place: a checkpoint copies them
 
+    def load_state(self, meta: Mapping[str, Any], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """As `StorageLayer.load_state`, and the slots past the state's are zeroed: a ring's unused slots hold
+        nothing, as in the layer that was saved."""
+        super().load_state(meta, keys, values)
+        with writable(self.keys):
+            self.keys[:, :, meta["slots"] :].zero_()
+            self.values[:, :, meta["slots"] :].zero_()
+
+    def _load_counters(self, meta: Mapping[str, Any]) -> None:
+        self.cumulative_length, self._oldest = meta["length"], meta["oldest"]
+
     def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
         """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise changing nothing."""
         raise NotImplementedError

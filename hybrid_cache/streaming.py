@@ -28,7 +28,7 @@ import torch
 
 from .errors import RollbackError
 from .mask_hook import RingLayout
-from .storage import UndoableStepLayer, resolve_crop_length, writable
+from .storage import UndoableStepLayer, resolve_crop_length
 
 __all__ = ["SinkWindowFullLayer"]
 
@@ -229,15 +229,6 @@ class SinkWindowFullLayer(UndoableStepLayer):
             and meta["slots"] == min(length, self.max_slots)
             and meta["capacity"] == self.max_slots
         )
-
-    def load_state(self, meta: Mapping[str, Any], keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().load_state(meta, keys, values)
-        with writable(self.keys):
-            self.keys[:, :, meta["slots"] :].zero_()
-            self.values[:, :, meta["slots"] :].zero_()
-
-    def _load_counters(self, meta: Mapping[str, Any]) -> None:
-        self.cumulative_length, self._oldest = meta["length"], meta["oldest"]
 
     def extra_nbytes(self) -> int:
         """Counters plus what is kept to undo the last speculative step (while recording past)."""

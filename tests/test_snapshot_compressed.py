@@ -18,7 +18,7 @@ import random
 
 import pytest
 import torch
-from conftest import MODEL_BUILDERS, VOCAB, chunked_logits
+from builders import MODEL_BUILDERS, VOCAB, chunked_logits
 from safetensors import safe_open
 from safetensors.torch import save_file
 
