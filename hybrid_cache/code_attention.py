@@ -77,6 +77,9 @@ MAX_CODE_QUERY_LENGTH = 16
 VALUE_TILE = 1024
 # Tokens of key history per score tile (int4 codes are unpacked to int8 one batch row of one tile at a time).
 KEY_TILE = 4096
+# What the kernel's unpacked codes (`_scaled_codes`) are multiplied by, per mode: int4 nibbles come out as 16 x their
+# value, and the factor is taken out of the query's scale (keys) or the group scales (values).
+CODE_FACTOR = {"int8": 1, "int4": 16}
 _QUERY_LEVELS = 127.0
 _RESIDUAL_LEVELS = 254.0
 
@@ -159,33 +162,16 @@ class CompressedKV(torch.Tensor):
 
 
 # --- the kernel -----------------------------------------------------------------------------------------------------
-def _unpack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """`[..., D / 2]` packed nibbles -> `[..., D]` int8 in [-8, 7] (low nibbles first, then high ones)."""
-    half = codes.shape[-1]
-    out = torch.empty((*codes.shape[:-1], 2 * half), dtype=torch.int8, device=codes.device)
-    low, high = out[..., :half], out[..., half:]
-    torch.bitwise_right_shift(codes, 4, out=high)  # arithmetic shifts of int8 sign-extend the nibbles
-    torch.bitwise_left_shift(codes, 4, out=low)
-    low.bitwise_right_shift_(4)
-    return out
-
-
-def _int_codes(codes: torch.Tensor, mode: str) -> torch.Tensor:
-    return _unpack_int4(codes) if mode == "int4" else codes
-
-
-def _scaled_codes(codes: torch.Tensor, mode: str, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """The codes as int8 `[..., D]` and the factor they carry: int8 codes as stored (factor 1, no copy); int4 nibbles
-    unpacked in two whole-tensor operations as `16 * nibble` (factor 16: the low nibble shifted into the high half
-    of the byte, the high nibble masked in place, both exact in int8)."""
+def _scaled_codes(codes: torch.Tensor, mode: str, out: torch.Tensor | None) -> torch.Tensor:
+    """The codes as int8 `[..., D]`, `CODE_FACTOR[mode]` times their value: int8 codes as stored (no copy); int4
+    nibbles unpacked into `out` in two whole-tensor operations as `16 * nibble` (the low nibble shifted into the
+    high half of the byte, the high nibble masked in place, both exact in int8)."""
     if mode != "int4":
-        return codes, 1
+        return codes
     half = codes.shape[-1]
-    if out is None:
-        out = torch.empty((*codes.shape[:-1], 2 * half), dtype=torch.int8, device=codes.device)
     torch.bitwise_left_shift(codes, 4, out=out[..., :half])
     torch.bitwise_and(codes, -16, out=out[..., half:])
-    return out, 16
+    return out
 
 
 def _quantize_query(grouped: torch.Tensor, parts: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -226,9 +212,7 @@ def _history_scores(grouped: torch.Tensor, history: CompressedHistory, parts: in
     block = torch.zeros((batch, heads, groups, group, parts, groups, m), dtype=torch.int8, device=grouped.device)
     torch.diagonal(block, dim1=2, dim2=5).copy_(torch.stack(codes, dim=-1).permute(0, 1, 4, 5, 2, 3))
     block = block.view(batch, heads, groups * group, parts * groups * m)
-    query_scale = query_scale.squeeze(-1)  # [b, h, m, G]
-    if history.mode == "int4":
-        query_scale = query_scale / 16  # the unpacked nibbles carry a factor 16 (`_scaled_codes`)
+    query_scale = query_scale.squeeze(-1) / CODE_FACTOR[history.mode]  # [b, h, m, G]
     if parts == 2:
         query_scale = query_scale / _RESIDUAL_LEVELS
     # The sum over groups weighted by the query's group scales, as one small matrix product per tile:
@@ -247,9 +231,11 @@ def _history_scores(grouped: torch.Tensor, history: CompressedHistory, parts: in
         size = end - start
         for row in range(batch):
             for head in range(heads):
-                codes_tile = history.key_codes[row, head, start:end]
-                if unpacked is not None:
-                    codes_tile, _ = _scaled_codes(codes_tile, "int4", unpacked[:size])
+                codes_tile = _scaled_codes(
+                    history.key_codes[row, head, start:end],
+                    history.mode,
+                    None if unpacked is None else unpacked[:size],
+                )
                 torch._int_mm(codes_tile, block[row, head], out=products[row, head, :size])
         tile_products = products[:, :, :size]
         if parts == 2:
@@ -276,15 +262,16 @@ def _history_values(probabilities: torch.Tensor, history: CompressedHistory) -> 
         unpacked = torch.empty((batch, heads, size, head_dim), dtype=torch.int8, device=probabilities.device)
     for start in range(0, length, VALUE_TILE):
         end = min(start + VALUE_TILE, length)
-        codes, factor = _scaled_codes(
+        codes = _scaled_codes(
             history.value_codes[:, :, start:end],
             history.mode,
             None if unpacked is None else unpacked[:, :, : end - start],
         )
-        scales = history.value_scales[:, :, start:end].unsqueeze(-1)
+        # In float32, so that dividing a float16 scale by the factor cannot leave float16's normal range.
+        scales = history.value_scales[:, :, start:end].unsqueeze(-1).float() / CODE_FACTOR[history.mode]
         values = buffer[:, :, : end - start]
         values.copy_(codes)
-        values.unflatten(-1, (groups, head_dim // groups)).mul_(scales if factor == 1 else scales / factor)
+        values.unflatten(-1, (groups, head_dim // groups)).mul_(scales)
         out.add_(torch.matmul(probabilities[..., start:end], values))
     if history.value_rotation is not None:
         grouped = out.unflatten(-1, (groups, head_dim // groups))
@@ -360,6 +347,22 @@ def code_domain_attention(
 
 
 # --- the oracle -----------------------------------------------------------------------------------------------------
+def _unpack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """`[..., D / 2]` packed nibbles -> `[..., D]` int8 in [-8, 7] (low nibbles first, then high ones): the oracle's
+    own unpacking, independent of the kernel's `_scaled_codes`."""
+    half = codes.shape[-1]
+    out = torch.empty((*codes.shape[:-1], 2 * half), dtype=torch.int8, device=codes.device)
+    low, high = out[..., :half], out[..., half:]
+    torch.bitwise_right_shift(codes, 4, out=high)  # arithmetic shifts of int8 sign-extend the nibbles
+    torch.bitwise_left_shift(codes, 4, out=low)
+    low.bitwise_right_shift_(4)
+    return out
+
+
+def _int_codes(codes: torch.Tensor, mode: str) -> torch.Tensor:
+    return _unpack_int4(codes) if mode == "int4" else codes
+
+
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, mode: str, rotation: torch.Tensor | None) -> torch.Tensor:
     values = _int_codes(codes, mode).double()
     groups = scales.shape[-1]

@@ -132,6 +132,33 @@ def test_extreme_codes_do_not_overflow_the_integer_products(mode):
         torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
 
 
+def test_float16_values_with_small_scales_keep_their_precision():
+    """float16 values of magnitude 1e-3 have group scales near float16's smallest normal number: taking the int4
+    unpacking's factor 16 out of them must not round them to subnormals (it is done in float32)."""
+    case = {
+        "mode": "int4",
+        "batch": 1,
+        "kv_heads": 1,
+        "rep": 2,
+        "head_dim": 32,
+        "group": 32,
+        "history": 50,
+        "query": 1,
+        "rotate": False,
+        "calibration": True,
+        "mask": "none",
+        "softcap": None,
+        "dtype": torch.float16,
+    }
+    handle_keys, _, _, _, query, mask, _ = build_step(case, 3)
+    history = handle_keys.history
+    history.value_scales.mul_(1e-3)  # as if the values had been 1000 times smaller
+    history.current_values.mul_(1e-3)
+    actual = code_domain_attention(query, history, mask).float()
+    expected = reference_attention(query, history, mask).float()
+    torch.testing.assert_close(actual, expected, rtol=2e-3, atol=0)
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_gemma4_full_layer_geometry(mode):
     """Gemma 4's full layers: one KV head of 512 channels (keys = values before the norms), 8 query heads."""
