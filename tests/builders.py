@@ -21,11 +21,21 @@ from hybrid_cache.compat import cache_kwargs, no_cache_forward_is_exact
 VOCAB = 101
 
 
-def tiny_gemma3(window: int = 6, layers: int = 6, attn: str = "sdpa", seed: int = 0) -> Gemma3ForCausalLM:
-    """Gemma 3 text model, 5 sliding : 1 full, GQA (4 query heads over 2 KV heads), fp32, eval mode."""
+def tiny_gemma3(
+    window: int = 6,
+    layers: int = 6,
+    attn: str = "sdpa",
+    seed: int = 0,
+    *,
+    vocab: int = VOCAB,
+    softcap: float | None = None,
+    layer_types: list[str] | None = None,
+) -> Gemma3ForCausalLM:
+    """Gemma 3 text model, 5 sliding : 1 full unless `layer_types` says otherwise, GQA (4 query heads over 2 KV
+    heads), final-logit soft-cap `softcap`, fp32, eval mode."""
     torch.manual_seed(seed)
     config = Gemma3TextConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=layers,
@@ -34,6 +44,8 @@ def tiny_gemma3(window: int = 6, layers: int = 6, attn: str = "sdpa", seed: int 
         head_dim=8,
         sliding_window=window,
         max_position_embeddings=4096,
+        final_logit_softcapping=softcap,
+        layer_types=layer_types,
         attn_implementation=attn,
         pad_token_id=0,
         bos_token_id=2,
@@ -359,25 +371,8 @@ def tiny_model(
     layer_types: list[str] | None = None,
     seed: int = 0,
 ) -> Gemma3ForCausalLM:
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=window,
-        max_position_embeddings=4096,
-        final_logit_softcapping=softcap,
-        layer_types=layer_types,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=1,
-    )
-    return Gemma3ForCausalLM(config).eval()
+    """The tools' tiny Gemma 3: `tiny_gemma3` with a vocabulary sized for `tiny_tokenizer` (128 by default)."""
+    return tiny_gemma3(window, layers, seed=seed, vocab=vocab, softcap=softcap, layer_types=layer_types)
 
 
 def tiny_tokenizer(text: str):
