@@ -91,13 +91,25 @@ def text_config(config: Any) -> Any:
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+# Gemma 4 before transformers folded it into `per_layer_config` (5.5 to 5.14): full-attention layers take these
+# attributes instead, as those releases' `Gemma4TextAttention` does (the KV heads only with `attention_k_eq_v`).
+_FLAT_FULL_LAYER_ATTRIBUTES = {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}
+
+
 def _per_layer(config: Any, name: str) -> list[Any]:
     """`name` for every layer, from the per-layer configs of heterogeneous configs (Gemma 4), where reading the
-    global attribute raises; `None` where a layer does not declare it."""
+    global attribute raises, or from Gemma 4's flat `global_*` attributes on releases without per-layer configs;
+    `None` where a layer does not declare it."""
     per_layer = getattr(config, "per_layer_config", None)
-    if per_layer is None:
-        return [getattr(config, name, None) or None] * config.num_hidden_layers
-    return [getattr(layer_config, name, None) or None for layer_config in per_layer]
+    if per_layer is not None:
+        return [getattr(layer_config, name, None) or None for layer_config in per_layer]
+    values = [getattr(config, name, None) or None] * config.num_hidden_layers
+    flat_name = _FLAT_FULL_LAYER_ATTRIBUTES.get(name)
+    flat_value = getattr(config, flat_name, None) if flat_name is not None else None
+    if flat_value and (name == "head_dim" or getattr(config, "attention_k_eq_v", False)):
+        layer_types = _declared_layer_types(config) or []
+        values = [flat_value if kind == FULL else value for kind, value in zip(layer_types, values)] or values
+    return values
 
 
 def _declared_layer_types(config: Any) -> list[str] | None:
