@@ -153,7 +153,8 @@ def kv_sharing_modes(text_config: Any) -> list[str | None] | None:
     """Per-layer KV-sharing mode (`"reuse"`: the layer stores nothing and attends over an earlier layer's keys).
 
     From 5.23 configs declare `kv_sharing_modes`; before, Gemma 4 declares `num_kv_shared_layers`: the last that many
-    layers reuse (when at least one layer stores), which is how its modeling code of those releases decides."""
+    layers reuse (when at least one layer stores) the keys and values of the last earlier layer of their type, which
+    is how its modeling code of those releases decides; that layer is marked `"store"`, as newer configs mark it."""
     modes = getattr(text_config, "kv_sharing_modes", None)
     if modes is not None:
         return list(modes)
@@ -162,7 +163,13 @@ def kv_sharing_modes(text_config: Any) -> list[str | None] | None:
     first_shared = layers - shared
     if shared <= 0 or first_shared <= 0:
         return None
-    return [("reuse" if index >= first_shared else None) for index in range(layers)]
+    modes = [("reuse" if index >= first_shared else None) for index in range(layers)]
+    layer_types = getattr(text_config, "layer_types", None) or []
+    for layer_type in set(layer_types[first_shared:]):
+        stored = [index for index in range(first_shared) if layer_types[index] == layer_type]
+        if stored:
+            modes[stored[-1]] = "store"
+    return modes
 
 
 def no_cache_forward_is_exact(config: Any) -> bool:

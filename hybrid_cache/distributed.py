@@ -20,7 +20,8 @@ from typing import Any
 
 from transformers.cache_utils import Cache
 
-from .compat import DummyLayer
+from .compat import TRANSFORMERS_VERSION, DummyLayer
+from .errors import UnsupportedReleaseError
 from .specs import check_stage_layers
 
 __all__ = [
@@ -63,7 +64,15 @@ def pipeline_layer_range(stage: int, num_stages: int, num_layers: int) -> range:
     """
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}.")
-    from transformers.distributed.pipeline_parallel import PipelineStage
+    if num_stages == 1:
+        return range(num_layers)  # one stage runs every layer, on every release
+    try:
+        from transformers.distributed.pipeline_parallel import PipelineStage
+    except ImportError as error:
+        raise UnsupportedReleaseError(
+            f"Pipeline stages need transformers' pipeline parallelism (transformers.distributed.pipeline_parallel), "
+            f"which transformers {TRANSFORMERS_VERSION} does not have; upgrade transformers or use one stage."
+        ) from error
 
     start, end = PipelineStage.layer_range_for_rank(SimpleNamespace(pp_size=num_stages), stage, num_layers)
     return range(start, end)
