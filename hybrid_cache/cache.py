@@ -119,7 +119,7 @@ class HybridRingCache(Cache):
         stage_layers: Iterable[int] | None = None,
         full_layer_quantization: str | None = None,
         full_layer_group_size: int = 64,
-        full_layer_rotation: bool = False,
+        full_layer_rotation: bool | None = None,
         full_layer_key_calibration: bool = True,
         full_layer_window: int | None = None,
         full_layer_sink_tokens: int | None = None,

@@ -4,9 +4,11 @@ with per-token group scales and back (the format, and what it takes from llama.c
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
+from transformers.utils import is_torchdynamo_compiling
 
 __all__ = ["CALIBRATION_FLOOR", "DEFAULT_GROUP_SIZE", "QUANTIZATION_MODES", "KVQuantizer", "hadamard_matrix"]
 
@@ -17,6 +19,8 @@ _FP8_MAX = float(torch.finfo(_FP8_DTYPE).max)
 # A channel's calibration scale is its spread over the calibration tokens, but at least this fraction of the mean
 # spread of the head's channels: a channel that barely moved while calibrating must not be blown up later.
 CALIBRATION_FLOOR = 0.2
+# Tokens per tile of the dequantizing path's in-place rotation (`KVQuantizer._rotate_in_place`).
+ROTATION_TILE = 4096
 
 
 def hadamard_matrix(size: int) -> torch.Tensor:
@@ -179,10 +183,29 @@ class KVQuantizer:
         grouped = out.unflatten(-1, (self.groups, self.group_size))
         grouped.mul_(scales.unsqueeze(-1).to(out.dtype))
         if self.rotate:
-            grouped.copy_(grouped @ self._rotation_for(out).to(out.dtype))
+            self._rotate_in_place(grouped)
         if calibration is not None:
             shift, scale = calibration
             torch.addcmul(shift, out, scale, out=out)
+
+    def _rotate_in_place(self, grouped: torch.Tensor) -> None:
+        """`grouped` `[..., L, groups, group]` times the Hadamard matrix, in place, `ROTATION_TILE` tokens at a time:
+        each tile's product lands in a small buffer and is copied back (a whole-history product allocates and
+        page-faults a second history: 2.5x slower, docs/quantization.md)."""
+        rotation = self._rotation_for(grouped).to(grouped.dtype)
+        length = grouped.shape[-3]
+        if is_torchdynamo_compiling() or not length:  # a compiled graph fuses the whole product itself
+            grouped.copy_(grouped @ rotation)
+            return
+        tile = min(ROTATION_TILE, length)
+        buffer = torch.empty((tile * self.groups, self.group_size), dtype=grouped.dtype, device=grouped.device)
+        for index in itertools.product(*(range(size) for size in grouped.shape[:-3])):
+            row = grouped[index]  # [L, groups, group]: a view of `out`, contiguous per token
+            for start in range(0, length, tile):
+                part = row[start : start + tile].view(-1, self.group_size)
+                product = buffer[: part.shape[0]]
+                torch.matmul(part, rotation, out=product)
+                part.copy_(product)
 
     def roundtrip(
         self, tensor: torch.Tensor, calibration: tuple[torch.Tensor, torch.Tensor] | None = None

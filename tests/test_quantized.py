@@ -14,6 +14,7 @@ Oracles:
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ from hybrid_cache import (
     RingSlidingLayer,
     StaticQuantizedFullLayer,
 )
+from hybrid_cache import quantizer as quantizer_module
 from hybrid_cache.compare import kv_bytes_held
 from hybrid_cache.compat import cache_kwargs
 from hybrid_cache.quantized import DequantWorkspace, _hadamard
@@ -125,6 +127,46 @@ def test_rotation_is_orthogonal_and_keeps_the_error_bound(mode):
         assert (error <= step * math.sqrt(16) / 2 * (1 + 1e-4) + 1e-6).all()
     if mode == "int4":  # the point of the rotation: the outlier channel no longer sets every group's step
         assert (rotated.roundtrip(x) - x).norm() < (plain.roundtrip(x) - x).norm()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tiled_rotation_of_a_dequantized_history_equals_the_whole_product(seed, monkeypatch):
+    """The dequantizing path rotates in tiles of `ROTATION_TILE` tokens, in place, inside a workspace slice (rows
+    not contiguous with each other): every token equals the one-product rotation, across tile ends."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(quantizer_module, "ROTATION_TILE", rng.randint(1, 9))
+    batch, heads, length, group = rng.randint(1, 3), rng.randint(1, 2), rng.randint(1, 30), rng.choice([4, 8, 16])
+    quantizer = KVQuantizer(rng.choice(["int8", "int4"]), 2 * group, group_size=group, rotate=True)
+    codes, scales = quantizer.quantize(random_kv(seed, (batch, heads, length, 2 * group)))
+    workspace = torch.full((batch, heads, length + 5, 2 * group), float("nan"))
+    out = workspace[:, :, :length]
+    quantizer.dequantize_into(codes, scales, out)
+    unrotated = KVQuantizer(quantizer.mode, 2 * group, group_size=group)
+    expected = torch.empty_like(out)
+    unrotated.dequantize_into(codes, scales, expected)
+    expected = (expected.unflatten(-1, (2, group)) @ _hadamard(group)).flatten(-2)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert workspace[:, :, length:].isnan().all()  # nothing written past the slice
+
+
+@pytest.mark.parametrize(
+    ("options", "rotated"),
+    [
+        ({"full_layer_quantization": "int4"}, True),  # the default: int4 rotates (its perplexity goal needs it)
+        ({"full_layer_quantization": "int8"}, False),
+        ({"full_layer_quantization": "fp8"}, False),
+        ({"full_layer_quantization": "int4", "full_layer_rotation": False}, False),
+        ({"full_layer_quantization": "int8", "full_layer_rotation": True}, True),
+        ({"full_layer_quantization": "int4", "full_layer_group_size": 24}, False),  # not a power of two
+        ({"full_layer_quantization": "int4", "full_layer_group_size": 8, "max_cache_len": 16}, True),
+        ({}, False),
+    ],
+)
+def test_rotation_default_is_resolved_once_for_int4_only(options, rotated):
+    cache = HybridRingCache(get_model("gemma3").config, **options)
+    assert cache.options.full_layer_rotation is rotated
+    compressed = [layer for layer in cache.layers if isinstance(layer, QuantizedFullLayer)]
+    assert all(layer.rotate is rotated for layer in compressed)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -333,7 +375,10 @@ class FakeQuantFullLayer(GrowableFullLayer):
         self._move_calibration(lambda tensor: tensor[indices, ...])
 
 
-def fake_quant_cache(model, mode: str, rotate: bool = False, key_calibration: bool = True) -> HybridRingCache:
+def fake_quant_cache(model, mode: str, rotate: bool | None = None, key_calibration: bool = True) -> HybridRingCache:
+    """The oracle of `HybridRingCache(full_layer_quantization=mode)`; `rotate=None` is the documented default: the
+    Hadamard rotation for int4 only (the tiny models' groups are powers of two)."""
+    rotate = mode == "int4" if rotate is None else rotate
     cache = HybridRingCache(model.config)
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, GrowableFullLayer):

@@ -25,8 +25,8 @@ __all__ = [
 
 # `ring` = HybridRingCache(config); `dynamic` = DynamicCache(config=config); `static` = StaticCache(config, max_len).
 # `ring-<mode>`: the ring with compressed full-attention layers (`HybridRingCache(config,
-# full_layer_quantization=<mode>)`; `-rot` adds the Hadamard rotation, `-nocal` turns the key calibration off: the
-# design before it, kept for side-by-side runs). `ring-stream`: the ring with bounded full
+# full_layer_quantization=<mode>)`, whose default rotates int4 only; `-rot` / `-norot` force the Hadamard rotation
+# on / off, `-nocal` turns the key calibration off: the designs before, kept for side-by-side runs). `ring-stream`: the ring with bounded full
 # layers (4 sinks + a 2044-token window: a 2048-token budget, so an 8192-token text streams through 4x its budget).
 # `ring-hf-fp8`: the alternative we did not pick, for side-by-side comparisons: the ring with transformers' own
 # `Fp8QuantizedLayer` as full layers (per-tensor scale frozen at the first update; not croppable, not compileable).
@@ -38,11 +38,13 @@ QUANTIZED_CACHES = {
     "ring-int4": "int4",
     "ring-fp8": "fp8",
     "ring-int4-rot": "int4",
+    "ring-int4-norot": "int4",
     "ring-int8-nocal": "int8",
     "ring-int4-nocal": "int4",
     "ring-int8-deq": "int8",
     "ring-int4-deq": "int4",
 }
+_ROTATION_BY_SUFFIX = {"rot": True, "norot": False}
 STREAM_SINK_TOKENS, STREAM_WINDOW = 4, 2044
 CACHE_NAMES = ("ring", "dynamic", "static", *QUANTIZED_CACHES, "ring-stream", "ring-hf-fp8")
 # The caches whose results must equal a no-cache forward (the others are approximate by design).
@@ -72,7 +74,7 @@ def make_cache(name: str, model_or_config: Any, max_cache_len: int, *, compileab
             config,
             max_cache_len=fixed,
             full_layer_quantization=QUANTIZED_CACHES[name],
-            full_layer_rotation=name.endswith("-rot"),
+            full_layer_rotation=_ROTATION_BY_SUFFIX.get(name.rsplit("-", 1)[-1]),
             full_layer_key_calibration=not name.endswith("-nocal"),
             full_layer_code_attention=False if name.endswith("-deq") else None,
         )
