@@ -6,8 +6,9 @@ Run ``python -m hybrid_cache.bench --help`` (or the ``hybrid-cache-bench`` conso
 What is measured (modules of this package):
 
 - ``decode`` (the default): ms per decode step after a synthesized prefill of ``context`` tokens and ``warmup``
-  untimed steps, median and min over all timed steps of all repetitions, repetitions interleaved across caches
-  (``for rep: for cache: prefill + decode``); the time spent in cache operations (``instrument``: ``cache.update`` +
+  untimed steps, median and min over all timed steps of all repetitions, steps interleaved across caches (per rep:
+  every cache prefilled, then their steps timed round-robin, one step of each cache in turn, so that a drift of the
+  machine's speed reaches them alike); the time spent in cache operations (``instrument``: ``cache.update`` +
   mask creation); the bytes written inside ``cache.update`` per step (a ``TorchDispatchMode``); the K/V bytes held
   after the prefill and after every decode step, against an exactly sized cache for the same tokens; a roofline
   (bytes a step must read / step time, against the copy bandwidth measured in the same run, ``machine``).

@@ -55,7 +55,8 @@ class BenchResult:
     tokens_per_s: float
     step_times_ms: list[float] = field(default_factory=list)
     device: str = "cpu"
-    peak_memory_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated during the run (max over reps)
+    # CUDA: torch.cuda.max_memory_allocated (max over reps); eager caches of a rep are held together, so theirs is the rep's
+    peak_memory_bytes: int | None = None
     # K/V bytes held at every point of the first repetition: after the prefill and after every decode step.
     kv_trace: list[tuple[int, int]] = field(default_factory=list)  # (tokens held, K/V bytes held)
     kv_bytes_peak: int | None = None  # max over kv_trace
@@ -103,59 +104,91 @@ def _peak(device: torch.device | str) -> int | None:
     return int(torch.cuda.max_memory_allocated(device)) if torch.device(device).type == "cuda" else None
 
 
+def _max_peak(previous: int | None, peak: int | None) -> int | None:
+    return peak if previous is None else max(previous, peak or 0)
+
+
 def _held(cache: Any) -> tuple[int, int]:
     return int(cache.get_seq_length()), kv_bytes_held(cache)
 
 
-def _decode_once(
-    model: Any,
-    cache_name: str,
-    batch: int,
-    context: int,
-    steps: int,
-    warmup: int,
-    source: PrefillSource,
-    vocab: int,
-    count_copies: bool,
-    device: torch.device | str = "cpu",
-) -> _DecodeRun:
-    """Fresh cache + prefill, `warmup` untimed steps (+1 step counting copies), `steps` timed steps; the K/V bytes
-    held are read after the prefill and after every step, outside the timed region."""
-    generator = torch.Generator().manual_seed(context * 31 + batch)
-    cache = make_cache(cache_name, model, context + warmup + steps + 2)
-    synthesize_prefill(cache, source)
-    trace = [_held(cache)]
-    position = context
-    with torch.inference_mode():
-        for _ in range(warmup):
-            model(**step_inputs(batch, position, vocab, generator, device), **cache_kwargs(cache), use_cache=True)
-            trace.append(_held(cache))
-            position += 1
-    copy_bytes, by_op = 0, {}
-    if count_copies:
-        copy_bytes, by_op = count_update_copy_bytes(
-            model, cache, step_inputs(batch, position, vocab, generator, device)
-        )
-        trace.append(_held(cache))
-        position += 1
-    step_ms, update_ms, mask_ms = [], [], []
-    timer = CacheOpTimer()
-    with timer.instrument(model, cache), torch.inference_mode():
-        for _ in range(steps):
-            inputs = step_inputs(batch, position, vocab, generator, device)
-            timer.reset()
-            sync(device)
+class _DecodeSession:
+    """One cache's eager decode: a fresh cache, the prefill, `warmup` untimed steps (+1 step counting copies) on
+    construction; then `step()` times one decode step at a time, so that the steps of several caches can be
+    interleaved (the K/V bytes held are read after the prefill and after every step, outside the timed region)."""
+
+    def __init__(
+        self,
+        model: Any,
+        cache_name: str,
+        batch: int,
+        context: int,
+        steps: int,
+        warmup: int,
+        source: PrefillSource,
+        vocab: int,
+        count_copies: bool,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.model, self.batch, self.vocab, self.device = model, batch, vocab, device
+        self.generator = torch.Generator().manual_seed(context * 31 + batch)
+        self.cache = make_cache(cache_name, model, context + warmup + steps + 2)
+        synthesize_prefill(self.cache, source)
+        self.trace = [_held(self.cache)]
+        self.position = context
+        with torch.inference_mode():
+            for _ in range(warmup):
+                model(**self._inputs(), **cache_kwargs(self.cache), use_cache=True)
+                self._advance()
+        self.copy_bytes, self.by_op = 0, {}
+        if count_copies:
+            self.copy_bytes, self.by_op = count_update_copy_bytes(model, self.cache, self._inputs())
+            self._advance()
+        self.step_ms: list[float] = []
+        self.update_ms: list[float] = []
+        self.mask_ms: list[float] = []
+        self.timer = CacheOpTimer()
+
+    def _inputs(self) -> dict[str, torch.Tensor]:
+        return step_inputs(self.batch, self.position, self.vocab, self.generator, self.device)
+
+    def _advance(self) -> None:
+        self.trace.append(_held(self.cache))
+        self.position += 1
+
+    def step(self) -> None:
+        """Time one decode step (model call only; the instrumentation is set up and read outside the clock)."""
+        inputs = self._inputs()
+        with self.timer.instrument(self.model, self.cache), torch.inference_mode():
+            self.timer.reset()
+            sync(self.device)
             start = time.perf_counter()
-            model(**inputs, **cache_kwargs(cache), use_cache=True)
-            sync(device)
-            step_ms.append((time.perf_counter() - start) * 1e3)
-            update_ms.append(timer.update_s * 1e3)
-            mask_ms.append(timer.mask_s * 1e3)
-            trace.append(_held(cache))
-            position += 1
-    del cache
+            self.model(**inputs, **cache_kwargs(self.cache), use_cache=True)
+            sync(self.device)
+            self.step_ms.append((time.perf_counter() - start) * 1e3)
+        self.update_ms.append(self.timer.update_s * 1e3)
+        self.mask_ms.append(self.timer.mask_s * 1e3)
+        self._advance()
+
+    def close(self) -> _DecodeRun:
+        """Free the cache; what was measured."""
+        del self.cache
+        return _DecodeRun(self.step_ms, self.update_ms, self.mask_ms, self.trace, self.copy_bytes, self.by_op)
+
+
+def _interleaved_decode(
+    built: list[tuple[int, _DecodeSession]], steps: int, meter: ContentionMeter, load: dict
+) -> dict[int, _DecodeRun]:
+    """Time the sessions' steps round-robin (step 0 of each cache, then step 1, ..., the starting cache rotating),
+    so that a drift of the machine's speed reaches every cache alike; close them and return what they measured."""
+    for step in range(steps):
+        turn = step % max(len(built), 1)
+        for index, session in built[turn:] + built[:turn]:
+            with meter.track(load[index]):
+                session.step()
+    runs = {index: session.close() for index, session in built}
     gc.collect()
-    return _DecodeRun(step_ms, update_ms, mask_ms, trace, copy_bytes, by_op)
+    return runs
 
 
 def _must_read(cache_name: str, exact_must_read: int, weights: int, held: int) -> int:
@@ -220,46 +253,43 @@ def run_benchmark(
             extra: dict[int, tuple[list[tuple[int, int]], int, dict[str, int]]] = {}
             peaks: dict[int, int | None] = {}
             load = {i: Contention() for i in range(len(variants))}
+            eager = [(index, name) for index, (name, compiled) in enumerate(variants) if compiled is None]
             for rep in range(reps):
-                for index, (cache_name, compiled) in enumerate(variants):
+                args = (batch, context, steps, warmup, source, vocab)
+                _reset_peak(device)  # eager caches share the rep: their peak is the rep's
+                built = [
+                    (index, _DecodeSession(model, name, *args, count_copies=(rep == 0), device=device))
+                    for index, name in eager
+                ]
+                for index, run in _interleaved_decode(built, steps, meter, load).items():
+                    runs[index]["step"] += run.step_ms
+                    runs[index]["mask"] += run.mask_ms
+                    runs[index]["update"] += run.update_ms
+                    peaks[index] = _max_peak(peaks.get(index), _peak(device))
+                    if rep == 0:
+                        extra[index] = (run.kv_trace, run.copy_bytes, run.copy_bytes_by_op)
+                for index, (_, compiled) in enumerate(variants):
+                    if compiled is None:
+                        continue
                     _reset_peak(device)
                     with meter.track(load[index]):
-                        if compiled is None:
-                            run = _decode_once(
-                                model,
-                                cache_name,
-                                batch,
-                                context,
-                                steps,
-                                warmup,
-                                source,
-                                vocab,
-                                count_copies=(rep == 0),
-                                device=device,
-                            )
-                            step_ms, mask_ms, trace = run.step_ms, run.mask_ms, run.kv_trace
-                            copies, by_op = run.copy_bytes, run.copy_bytes_by_op
-                            runs[index]["update"] += run.update_ms
-                        else:
-                            step_ms, mask_ms, held, copies, by_op = compiled_decode_once(
-                                model,
-                                compiled,
-                                batch,
-                                context,
-                                steps,
-                                warmup,
-                                source,
-                                vocab,
-                                first_rep=(rep == 0),
-                                device=device,
-                            )
-                            trace = [held]
+                        step_ms, mask_ms, held, copies, by_op = compiled_decode_once(
+                            model,
+                            compiled,
+                            batch,
+                            context,
+                            steps,
+                            warmup,
+                            source,
+                            vocab,
+                            first_rep=(rep == 0),
+                            device=device,
+                        )
                     runs[index]["step"] += step_ms
                     runs[index]["mask"] += mask_ms
-                    peak = _peak(device)
-                    peaks[index] = peak if peaks.get(index) is None else max(peaks[index], peak or 0)
+                    peaks[index] = _max_peak(peaks.get(index), _peak(device))
                     if rep == 0:
-                        extra[index] = (trace, copies, by_op)
+                        extra[index] = ([held], copies, by_op)
             del source
             gc.collect()
             must_read = weights + live_kv_bytes(model, batch, context + warmup + 1 + steps // 2, dtype)
