@@ -270,8 +270,10 @@ def test_tensor_x_pipeline_parallel(model_dirs, tmp_path):
     that pipeline parallelism removed): expected to fail there; exact like the others once transformers can."""
     status, log = torchrun("tp_pp", [model_dirs["gemma3"]], tmp_path, nproc=4, runs="padded:ring,second_turn:ring")
     if status != 0:
+        # One rank hitting transformers' limitation is enough: the run cannot succeed, and which ranks reach it before
+        # the others are torn down (or fail in a collective with a rank that is gone) is a race.
         errors = [path.read_text() for path in sorted(tmp_path.glob("rank*.error"))]
-        if errors and all("apply_tensor_parallelism" in error and "KeyError" in error for error in errors):
+        if any("apply_tensor_parallelism" in error and "KeyError" in error for error in errors):
             pytest.xfail("transformers cannot combine tensor and pipeline parallelism (KeyError in its TP plan)")
         pytest.fail(f"TP x PP failed otherwise:\n{log[-6000:]}")
     ranks = _load_ranks(tmp_path, 4)
