@@ -191,7 +191,7 @@ class KVQuantizer:
     def _rotate_in_place(self, grouped: torch.Tensor) -> None:
         """`grouped` `[..., L, groups, group]` times the Hadamard matrix, in place, `ROTATION_TILE` tokens at a time:
         each tile's product lands in a small buffer and is copied back (a whole-history product allocates and
-        page-faults a second history: 2.5x slower, docs/quantization.md)."""
+        page-faults a second history: about 2x slower, docs/quantization.md)."""
         rotation = self._rotation_for(grouped).to(grouped.dtype)
         length = grouped.shape[-3]
         if is_torchdynamo_compiling() or not length:  # a compiled graph fuses the whole product itself

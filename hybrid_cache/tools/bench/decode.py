@@ -55,7 +55,7 @@ class BenchResult:
     tokens_per_s: float
     step_times_ms: list[float] = field(default_factory=list)
     device: str = "cpu"
-    # CUDA: torch.cuda.max_memory_allocated (max over reps); eager caches of a rep are held together, so theirs is the rep's
+    # CUDA: torch.cuda.max_memory_allocated, max over reps (the eager caches of a rep are held together: the rep's)
     peak_memory_bytes: int | None = None
     # K/V bytes held at every point of the first repetition: after the prefill and after every decode step.
     kv_trace: list[tuple[int, int]] = field(default_factory=list)  # (tokens held, K/V bytes held)
