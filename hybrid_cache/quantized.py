@@ -35,8 +35,10 @@ same forward). Reusing it instead of allocating per call avoids page-faulting a 
 Optional rotation (`rotate=True`): a normalized Sylvester-Hadamard matrix over each group, applied before quantizing
 and undone after dequantizing. It spreads a group's outlier channels over all its channels (the idea of llama.cpp's
 rotated KV cache, there applied to queries and keys inside the attention; here undone in the cache, because the
-cache does not see the queries). It lowers int4's key error more than the end-to-end KL divergence
-(docs/quantization.md), and costs a `[group x group]` matmul over the whole history per step: off by default.
+cache does not see the queries). After the key calibration it lowers int4's KL divergence 1.6-8x
+(docs/quantization.md); it costs a `[group x group]` product over the whole history per dequantizing step (in place,
+in tiles: `KVQuantizer.dequantize_into`) and nothing on the codes, where the query is rotated instead. The cache's
+default (`CacheOptions.full_layer_rotation`) turns it on for int4 only; the layer itself takes `rotate` as given.
 """
 
 from __future__ import annotations
