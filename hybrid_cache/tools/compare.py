@@ -26,8 +26,9 @@ __all__ = [
 # `ring` = HybridRingCache(config); `dynamic` = DynamicCache(config=config); `static` = StaticCache(config, max_len).
 # `ring-<mode>`: the ring with compressed full-attention layers (`HybridRingCache(config,
 # full_layer_quantization=<mode>)`, whose default rotates int4 only; `-rot` / `-norot` force the Hadamard rotation
-# on / off, `-nocal` turns the key calibration off: the designs before, kept for side-by-side runs). `ring-stream`: the ring with bounded full
-# layers (4 sinks + a 2044-token window: a 2048-token budget, so an 8192-token text streams through 4x its budget).
+# on / off, `-nocal` turns the key calibration off: the designs before, kept for side-by-side runs). `ring-stream`:
+# the ring with bounded full layers (4 sinks + a 2044-token window: a 2048-token budget, so an 8192-token text
+# streams through 4x its budget).
 # `ring-hf-fp8`: the alternative we did not pick, for side-by-side comparisons: the ring with transformers' own
 # `Fp8QuantizedLayer` as full layers (per-tensor scale frozen at the first update; not croppable, not compileable).
 # Their decode steps attend on the int8 / int4 codes when the model's attention implementation is

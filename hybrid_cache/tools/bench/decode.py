@@ -181,8 +181,10 @@ def _interleaved_decode(
 ) -> dict[int, _DecodeRun]:
     """Time the sessions' steps round-robin (step 0 of each cache, then step 1, ..., the starting cache rotating),
     so that a drift of the machine's speed reaches every cache alike; close them and return what they measured."""
+    if not built:
+        return {}
     for step in range(steps):
-        turn = step % max(len(built), 1)
+        turn = step % len(built)
         for index, session in built[turn:] + built[:turn]:
             with meter.track(load[index]):
                 session.step()
@@ -254,11 +256,11 @@ def run_benchmark(
             peaks: dict[int, int | None] = {}
             load = {i: Contention() for i in range(len(variants))}
             eager = [(index, name) for index, (name, compiled) in enumerate(variants) if compiled is None]
+            workload = (batch, context, steps, warmup, source, vocab)  # what every eager and compiled run decodes
             for rep in range(reps):
-                args = (batch, context, steps, warmup, source, vocab)
                 _reset_peak(device)  # eager caches share the rep: their peak is the rep's
                 built = [
-                    (index, _DecodeSession(model, name, *args, count_copies=(rep == 0), device=device))
+                    (index, _DecodeSession(model, name, *workload, count_copies=(rep == 0), device=device))
                     for index, name in eager
                 ]
                 for index, run in _interleaved_decode(built, steps, meter, load).items():
@@ -274,16 +276,7 @@ def run_benchmark(
                     _reset_peak(device)
                     with meter.track(load[index]):
                         step_ms, mask_ms, held, copies, by_op = compiled_decode_once(
-                            model,
-                            compiled,
-                            batch,
-                            context,
-                            steps,
-                            warmup,
-                            source,
-                            vocab,
-                            first_rep=(rep == 0),
-                            device=device,
+                            model, compiled, *workload, first_rep=(rep == 0), device=device
                         )
                     runs[index]["step"] += step_ms
                     runs[index]["mask"] += mask_ms
