@@ -52,6 +52,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import code_kernel
 from .errors import CodeAttentionError
 
 __all__ = [
@@ -201,12 +202,32 @@ def _calibrated_query(query: torch.Tensor, history: CompressedHistory) -> tuple[
     return grouped, constant
 
 
-def _history_scores(grouped: torch.Tensor, history: CompressedHistory, parts: int) -> torch.Tensor:
-    """Scores `[b, h, m, L]` (float32, unscaled, without the shift's constant) of the calibrated query
-    `[b, h, m, G, g]` against the key codes."""
+def _history_scores(
+    grouped: torch.Tensor,
+    history: CompressedHistory,
+    parts: int,
+    constant: torch.Tensor,
+    scaling: float,
+    out: torch.Tensor,
+) -> None:
+    """Write the scaled scores `scaling * (q . k + constant)` of the calibrated query `[b, h, m, G, g]` against the
+    key codes into `out` `[b, h, m, L]` float32 (the history's columns of the step's score matrix); `constant`
+    `[b, h, m]` is the calibration shift's term."""
     batch, heads, m, groups, group = grouped.shape
     length = history.history_length
     codes, query_scale = _quantize_query(grouped, parts)
+    if code_kernel.kernel_usable(history.key_codes, history.key_scales, history.mode, grouped):
+        weight = query_scale.squeeze(-1) * (scaling / CODE_FACTOR[history.mode])  # [b, h, m, G]
+        code_kernel.history_scores(
+            history.key_codes,
+            history.key_scales,
+            history.mode,
+            torch.cat([code.flatten(-2) for code in codes], dim=2),  # [b, h, parts * m, D], parts outermost
+            torch.cat([weight, weight / _RESIDUAL_LEVELS][:parts], dim=2),
+            constant * scaling,
+            out,
+        )
+        return
     # Block-diagonal query matrix [D, parts * G * m]: column (p, G', j) holds part p of query j's group G' in the
     # rows of that group and zeros elsewhere, so codes [L, D] @ it gives every group's dot product on its own.
     block = torch.zeros((batch, heads, groups, group, parts, groups, m), dtype=torch.int8, device=grouped.device)
@@ -246,11 +267,26 @@ def _history_scores(grouped: torch.Tensor, history: CompressedHistory, parts: in
         tile_weighted = weighted[:, :, :size]
         torch.mul(tile_products.view(batch, heads, size, groups, m), key_scales[:, :, start:end], out=tile_weighted)
         torch.matmul(tile_weighted.view(batch, heads, size, groups * m), query_weights, out=scores[:, :, start:end])
-    return scores.transpose(-1, -2)
+    torch.mul(scores.transpose(-1, -2) + constant.unsqueeze(-1), scaling, out=out)
 
 
 def _history_values(probabilities: torch.Tensor, history: CompressedHistory) -> torch.Tensor:
     """`sum_t p_t * v_t` over the history: `[b, h, m, L]` float32 probabilities -> `[b, h, m, Dv]` float32."""
+    groups = history.value_scales.shape[-1]
+    if code_kernel.kernel_usable(history.value_codes, history.value_scales, history.mode, probabilities):
+        out = code_kernel.history_values(
+            history.value_codes, history.value_scales, history.mode, probabilities, 1.0 / CODE_FACTOR[history.mode]
+        )
+    else:
+        out = _history_values_with_torch(probabilities, history)
+    if history.value_rotation is not None:
+        grouped = out.unflatten(-1, (groups, out.shape[-1] // groups))
+        out = (grouped @ history.value_rotation.float()).flatten(-2)
+    return out
+
+
+def _history_values_with_torch(probabilities: torch.Tensor, history: CompressedHistory) -> torch.Tensor:
+    """`_history_values` before the rotation, with torch operations, one tile of `VALUE_TILE` tokens at a time."""
     batch, heads, m, length = probabilities.shape
     head_dim = history.value_head_dim
     groups = history.value_scales.shape[-1]
@@ -273,9 +309,6 @@ def _history_values(probabilities: torch.Tensor, history: CompressedHistory) -> 
         values.copy_(codes)
         values.unflatten(-1, (groups, head_dim // groups)).mul_(scales)
         out.add_(torch.matmul(probabilities[..., start:end], values))
-    if history.value_rotation is not None:
-        grouped = out.unflatten(-1, (groups, head_dim // groups))
-        out = (grouped @ history.value_rotation.float()).flatten(-2)
     return out
 
 
@@ -298,7 +331,9 @@ def _masked_scores(
         )
     mask = attention_mask[:, :1].unsqueeze(1)  # [b | 1, 1, 1, q, K]
     if mask.dtype == torch.bool:
-        view.masked_fill_(~mask, float("-inf"))
+        # As an additive mask of the mask's own (small) size: a broadcast masked_fill_ over the scores is slower.
+        if not bool(mask.all()):  # a decode step without padding masks nothing
+            view.add_(torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf")))
     else:
         view.add_(mask.float())
     return scores
@@ -332,14 +367,15 @@ def code_domain_attention(
     scaling = head_dim**-0.5 if scaling is None else scaling
     exact_query = query.float().reshape(batch, kv_heads, rep * query_length, head_dim)
     grouped, constant = _calibrated_query(exact_query, history)
-    scores_history = _history_scores(grouped, history, query_parts) + constant.unsqueeze(-1)
-    scores_current = torch.matmul(exact_query, history.current_keys.float().transpose(-1, -2))
-    scores = torch.cat([scores_history, scores_current], dim=-1).mul_(scaling)
+    length = history.history_length
+    scores = torch.empty((batch, kv_heads, rep * query_length, length + query_length), device=query.device)
+    _history_scores(grouped, history, query_parts, constant, scaling, out=scores[..., :length])
+    current = torch.matmul(exact_query, history.current_keys.float().transpose(-1, -2))
+    torch.mul(current, scaling, out=scores[..., length:])
     if softcap is not None:
         scores = torch.tanh(scores / softcap).mul_(softcap)
     scores = _masked_scores(scores, attention_mask, rep, query_length)
     probabilities = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a fully masked row attends to nothing
-    length = history.history_length
     out = _history_values(probabilities[..., :length], history)
     out.add_(torch.matmul(probabilities[..., length:], history.current_values.float()))
     out = out.view(batch, kv_heads, rep, query_length, -1).reshape(batch, query_heads, query_length, -1)

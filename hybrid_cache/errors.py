@@ -6,6 +6,7 @@ from __future__ import annotations
 __all__ = [
     "CacheCapacityError",
     "CodeAttentionError",
+    "CodeKernelError",
     "ConversationMismatchError",
     "HybridCacheError",
     "RollbackError",
@@ -42,6 +43,11 @@ class ConversationMismatchError(HybridCacheError, ValueError):
 
 class CodeAttentionError(HybridCacheError, RuntimeError):
     """A compressed layer's `CompressedKV` handle reached code that is not hybrid_cache's code-domain attention."""
+
+
+class CodeKernelError(HybridCacheError, RuntimeError):
+    """The native code-attention kernel was required (`HYBRID_CACHE_CODE_KERNEL=on`) where it cannot run, or the
+    setting is not one of auto / on / off; the message says why and how to fall back."""
 
 
 class UnsupportedReleaseError(HybridCacheError, RuntimeError):

@@ -17,6 +17,7 @@ CORE_MODULES = (
     "attention_maps",
     "cache",
     "code_attention",
+    "code_kernel",
     "compat",
     "distributed",
     "errors",

@@ -1,0 +1,262 @@
+"""The native kernel of attention on the codes (`hybrid_cache.code_kernel`, `csrc/code_attention.c`).
+
+1. Where the CPU can run it (AVX-512 VNNI) and a C compiler exists, it builds, loads and is used.
+2. Over random geometries the kernel takes (heads of 64-512 channels, groups of 64-512, int8 / int4, GQA, batch and
+   heads fewer or more than the threads, strided views of a layer's storage, float32 / bfloat16 / float16 scales,
+   calibration and rotation, masks, one to a few query tokens), its result equals the torch path's and
+   `reference_attention`'s, with 1 to 3 threads.
+3. The switch (`HYBRID_CACHE_CODE_KERNEL`): off, on (raises where it cannot run), a bad value; a missing compiler
+   falls back to the torch path with the same result.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+import hybrid_cache.code_kernel as code_kernel
+from hybrid_cache.code_attention import code_domain_attention, reference_attention
+from hybrid_cache.errors import CodeKernelError
+from hybrid_cache.quantized import DequantWorkspace, QuantizedFullLayer
+
+KERNEL_CAN_RUN = not code_kernel._missing_cpu_flags()
+needs_kernel = pytest.mark.skipif(not KERNEL_CAN_RUN, reason="the CPU lacks AVX-512 VNNI: the kernel cannot run")
+
+
+@pytest.fixture
+def kernel_env(monkeypatch):
+    """Set `HYBRID_CACHE_CODE_KERNEL` for one test (restored afterwards)."""
+
+    def set_mode(mode: str) -> None:
+        monkeypatch.setenv(code_kernel.KERNEL_ENV, mode)
+
+    set_mode("auto")
+    return set_mode
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts of the kernel's two entry points during a test."""
+    calls = {"scores": 0, "values": 0}
+    for name, entry in (("scores", code_kernel.history_scores), ("values", code_kernel.history_values)):
+
+        def counted(*args, _entry=entry, _name=name, **kwargs):
+            calls[_name] += 1
+            return _entry(*args, **kwargs)
+
+        monkeypatch.setattr(code_kernel, f"history_{name}", counted)
+    return calls
+
+
+def random_case(seed: int) -> dict:
+    rng = random.Random(seed)
+    mode = rng.choice(["int8", "int4"])
+    head_dim = rng.choice([128, 256, 512] if mode == "int4" else [64, 128, 256, 512])
+    return {
+        "mode": mode,
+        "batch": rng.randint(1, 3),
+        "kv_heads": rng.choice([1, 2]),
+        "rep": rng.choice([1, 2, 4, 8]),
+        "head_dim": head_dim,
+        "group": rng.choice([g for g in (64, 128, 256, 512) if g <= head_dim and head_dim % g == 0]),
+        "history": rng.randint(1, 1400),
+        "query": rng.choice([1, 1, 2, 3]),
+        "rotate": rng.random() < 0.3,
+        "calibration": rng.random() < 0.7,
+        "mask": rng.choice(["bool", "float", "none"]),
+        "softcap": rng.choice([None, 30.0]),
+        "dtype": rng.choice([torch.float32, torch.bfloat16, torch.float16]),
+        "threads": rng.randint(1, 3),
+        "parts": rng.choice([1, 2]),
+    }
+
+
+def build_step(case: dict, seed: int):
+    """A layer holding `history` random tokens (grown twice, so its codes are views of a larger storage), the step's
+    history handle, the query and the mask."""
+    generator = torch.Generator().manual_seed(seed)
+    b, h, d, dtype = case["batch"], case["kv_heads"], case["head_dim"], case["dtype"]
+    layer = QuantizedFullLayer(
+        case["mode"], DequantWorkspace(), case["group"], case["rotate"], key_calibration=case["calibration"]
+    )
+    channel_scale = 1 + 5 * torch.rand(d, generator=generator)
+    keys = (torch.randn(b, h, case["history"], d, generator=generator) * channel_scale + 2).to(dtype)
+    values = torch.randn(b, h, case["history"], d, generator=generator).to(dtype)
+    cut = case["history"] // 2
+    if cut:
+        layer.update(keys[:, :, :cut], values[:, :, :cut])
+    layer.update(keys[:, :, cut:], values[:, :, cut:])
+    q = case["query"]
+    step_keys = torch.randn(b, h, q, d, generator=generator).to(dtype)
+    step_values = torch.randn(b, h, q, d, generator=generator).to(dtype)
+    handle_keys, _ = layer.update(step_keys, step_values, return_codes=True)
+    query = torch.randn(b, h * case["rep"], q, d, generator=generator).to(dtype)
+    total = case["history"] + q
+    allowed = torch.ones(b, 1, q, total, dtype=torch.bool)
+    allowed[..., case["history"] :] = torch.ones(q, q, dtype=torch.bool).tril()
+    if b > 1 and case["mask"] != "none":
+        allowed[-1, ..., : min(5, case["history"])] = False  # left padding of the last row
+    mask = {
+        "bool": allowed,
+        "none": None,
+        "float": torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min),
+    }[case["mask"]]
+    return handle_keys.history, query, mask
+
+
+# --- 1. it runs where it can ------------------------------------------------------------------------------------------
+@needs_kernel
+def test_the_kernel_builds_and_loads_on_this_cpu(kernel_env):
+    assert code_kernel.kernel_status().startswith("auto: loaded from "), code_kernel.kernel_status()
+
+
+# --- 2. it computes what the torch path and the reference compute -----------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("seed", range(32))
+def test_kernel_equals_the_torch_path_and_the_reference(seed, kernel_env, kernel_calls):
+    case = random_case(seed)
+    history, query, mask = build_step(case, seed)
+    arguments = {"scaling": 0.1, "softcap": case["softcap"], "query_parts": case["parts"]}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(case["threads"])
+    try:
+        kernel = code_domain_attention(query, history, mask, **arguments)
+    finally:
+        torch.set_num_threads(previous)
+    assert kernel_calls == {"scores": 1, "values": 1}
+    kernel_env("off")
+    with_torch = code_domain_attention(query, history, mask, **arguments)
+    assert kernel_calls == {"scores": 1, "values": 1}
+    expected = reference_attention(query, history, mask, **arguments)
+    assert kernel.dtype == query.dtype and kernel.shape == expected.shape
+    # float32: summation order only. Half types: the output's own rounding (one unit in the last place).
+    tolerance = 1e-5 if case["dtype"] == torch.float32 else 1e-2
+    scale = expected.float().abs().max()
+    torch.testing.assert_close(kernel.float(), expected.float(), rtol=0, atol=tolerance * scale)
+    torch.testing.assert_close(kernel.float(), with_torch.float(), rtol=0, atol=tolerance * scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("head_dim", [256, 512])
+@pytest.mark.parametrize("rep, query", [(4, 1), (8, 1), (4, 2)])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_the_unrolled_geometries_equal_the_reference(mode, head_dim, rep, query, parts, kernel_env, kernel_calls):
+    """The geometries the kernel unrolls (groups of 64 in heads of 256 / 512, as Gemma 3 and Gemma 4 store them;
+    4 or 8 query rows per KV head, one or two query parts), which the random cases above rarely draw."""
+    case = random_case(head_dim + rep + query + parts) | {"mode": mode, "head_dim": head_dim, "group": 64}
+    case |= {"rep": rep, "query": query, "parts": parts, "dtype": torch.float32, "history": 300, "batch": 2}
+    history, query_states, mask = build_step(case, head_dim * rep)
+    actual = code_domain_attention(query_states, history, mask, softcap=case["softcap"], query_parts=parts)
+    assert kernel_calls == {"scores": 1, "values": 1}
+    expected = reference_attention(query_states, history, mask, softcap=case["softcap"], query_parts=parts)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5 * expected.abs().max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_scores_of_extreme_codes_are_exact_integer_products(mode, kernel_env):
+    """Codes at both ends of their range against a query at +-127 in both parts, in a 512-channel group: the
+    unsigned-byte trick (codes read as c + 128, then 128 * sum(query) taken off) must give the signed products."""
+    d, length = 512, 70
+    layer = QuantizedFullLayer(mode, DequantWorkspace(), group_size=512, key_calibration=False)
+    keys = -torch.ones(1, 1, length, d)
+    keys[..., 1::2, :] = 1.0
+    keys[..., 2::7, ::3] = 0.5
+    layer.update(keys, keys.clone())
+    handle_keys, _ = layer.update(torch.ones(1, 1, 1, d), torch.ones(1, 1, 1, d), return_codes=True)
+    query = torch.full((1, 1, 1, d), 3.0)
+    query[..., ::2] = -3.0 + 1.0 / 512
+    for parts in (1, 2):
+        actual = code_domain_attention(query, handle_keys.history, None, query_parts=parts)
+        expected = reference_attention(query, handle_keys.history, None, query_parts=parts)
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+@needs_kernel
+def test_results_do_not_depend_on_the_thread_count_beyond_summation_order(kernel_env):
+    case = random_case(3) | {"batch": 1, "kv_heads": 1, "history": 3000, "dtype": torch.float32, "mode": "int8"}
+    case |= {"head_dim": 256, "group": 64, "rep": 4, "query": 1}
+    history, query, mask = build_step(case, 3)
+    previous = torch.get_num_threads()
+    outputs = []
+    try:
+        for threads in (1, 2, 3, 5):  # 1 x 1 heads: the tokens are split among the threads
+            torch.set_num_threads(threads)
+            outputs.append(code_domain_attention(query, history, mask))
+    finally:
+        torch.set_num_threads(previous)
+    for output in outputs[1:]:
+        torch.testing.assert_close(output, outputs[0], rtol=0, atol=1e-5 * outputs[0].abs().max())
+
+
+@needs_kernel
+def test_inference_mode_and_no_grad_both_use_the_kernel(kernel_env, kernel_calls):
+    case = random_case(5) | {"dtype": torch.float32, "history": 40, "mode": "int8", "head_dim": 128, "group": 64}
+    history, query, mask = build_step(case, 5)
+    with torch.inference_mode():
+        in_inference = code_domain_attention(query, history, mask)
+    with torch.no_grad():
+        in_no_grad = code_domain_attention(query, history, mask)
+    assert kernel_calls == {"scores": 2, "values": 2}
+    torch.testing.assert_close(in_inference, in_no_grad, rtol=0, atol=0)
+
+
+# --- 3. the switch ---------------------------------------------------------------------------------------------------
+def test_off_runs_the_torch_path(kernel_env, kernel_calls):
+    kernel_env("off")
+    history, query, mask = build_step(random_case(7) | {"mode": "int8", "head_dim": 128, "group": 64}, 7)
+    code_domain_attention(query, history, mask)
+    assert kernel_calls == {"scores": 0, "values": 0}
+    assert code_kernel.kernel_status().startswith("off")
+
+
+def test_on_raises_where_the_kernel_cannot_run_and_a_bad_setting_raises(kernel_env):
+    """`on` promises the kernel: a head of 32 channels (not a multiple of 64) raises with the reason and the fix,
+    instead of quietly taking the torch path; a value that is not a setting raises too."""
+    kernel_env("on")
+    history, query, mask = build_step(random_case(8) | {"mode": "int8", "head_dim": 32, "group": 32}, 8)
+    with pytest.raises(CodeKernelError, match="multiples of 64.*HYBRID_CACHE_CODE_KERNEL=auto"):
+        code_domain_attention(query, history, mask)
+    kernel_env("fast")
+    with pytest.raises(CodeKernelError, match="not a setting; use auto"):
+        code_domain_attention(query, history, mask)
+
+
+def test_without_a_compiler_the_torch_path_gives_the_same_result(kernel_env, monkeypatch, tmp_path, caplog):
+    case = random_case(9) | {"mode": "int4", "head_dim": 256, "group": 64, "dtype": torch.float32}
+    history, query, mask = build_step(case, 9)
+    expected = reference_attention(query, history, mask)
+    monkeypatch.setenv("CC", "no-such-compiler-hybrid-cache")
+    monkeypatch.setenv("HYBRID_CACHE_KERNEL_DIR", str(tmp_path))
+    code_kernel._load.cache_clear()
+    try:
+        if KERNEL_CAN_RUN:
+            assert "no C compiler" in code_kernel.kernel_status()
+        actual = code_domain_attention(query, history, mask)
+    finally:
+        code_kernel._load.cache_clear()
+    assert list(tmp_path.iterdir()) == []  # nothing half built left behind
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5 * expected.abs().max())
+
+
+@needs_kernel
+def test_a_build_is_reused_and_a_fresh_directory_builds_again(kernel_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("HYBRID_CACHE_KERNEL_DIR", str(tmp_path))
+    first = code_kernel._build()
+    stamp = first.stat().st_mtime_ns
+    assert code_kernel._build() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
+
+
+def test_deepcopied_histories_read_their_own_codes(kernel_env):
+    """The kernel reads raw pointers: a copy of the layer (beam search, snapshots) must be read from its own storage."""
+    case = random_case(11) | {"mode": "int8", "head_dim": 128, "group": 64, "dtype": torch.float32, "history": 50}
+    history, query, mask = build_step(case, 11)
+    copied = copy.deepcopy(history)
+    expected = code_domain_attention(query, history, mask)
+    history.key_codes.zero_()  # the original's storage changes; the copy's must not be affected
+    torch.testing.assert_close(code_domain_attention(query, copied, mask), expected, rtol=0, atol=0)
