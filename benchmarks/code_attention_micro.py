@@ -6,8 +6,9 @@ Geometry of Gemma 3 270M's full layers by default (1 KV head of 256, 4 query hea
 
 Rows (min / median ms of `--reps` calls, wall time; CPU time in brackets): `sdpa` on exact K/V (what the exact ring
 runs), `dequantize + sdpa` (today's compressed path: the six dequantizations into a workspace, then SDPA), and
-`codes` (`hybrid_cache.code_attention.code_domain_attention`) for int8 / int4 and one / two query parts. The load
-average is printed before and after: timings on a busy machine measure the competition.
+`codes` (`hybrid_cache.code_attention.code_domain_attention`) for int8 / int4 and one / two query parts, with the
+native kernel and with torch ops (`HYBRID_CACHE_CODE_KERNEL=off`). The load average is printed before and after:
+timings on a busy machine measure the competition.
 """
 
 from __future__ import annotations
@@ -21,7 +22,21 @@ import time
 import torch
 
 from hybrid_cache.code_attention import code_domain_attention
+from hybrid_cache.code_kernel import KERNEL_ENV, kernel_status
 from hybrid_cache.quantized import DequantWorkspace, QuantizedFullLayer
+
+
+def _with_kernel(setting: str, function):
+    """Run `function` with HYBRID_CACHE_CODE_KERNEL set to `setting` (auto: the native kernel where it runs)."""
+    previous = os.environ.get(KERNEL_ENV)
+    os.environ[KERNEL_ENV] = setting
+    try:
+        return function()
+    finally:
+        if previous is None:
+            del os.environ[KERNEL_ENV]
+        else:
+            os.environ[KERNEL_ENV] = previous
 
 
 def timed(function, reps: int) -> tuple[float, float, float]:
@@ -53,7 +68,7 @@ def main() -> None:
     rep = args.query_heads // h
     print(
         f"load average {os.getloadavg()}, torch threads {torch.get_num_threads()}, {b} x {t} tokens, {h} KV heads of "
-        f"{d}, {args.query_heads} query heads, {args.dtype}"
+        f"{d}, {args.query_heads} query heads, {args.dtype}; native kernel {kernel_status()}"
     )
     generator = torch.Generator().manual_seed(0)
     keys = (torch.randn(b, h, t, d, generator=generator) * (1 + 4 * torch.rand(d, generator=generator)) + 1).to(dtype)
@@ -83,14 +98,15 @@ def main() -> None:
         history = layer.compressed_history(t - 1, step_keys, step_values)
         rows.append((f"{mode}: dequantize + sdpa (today)", dequantize_then_sdpa))
         for parts in (1, 2):
-            rows.append(
-                (
-                    f"{mode}: codes, query parts {parts}",
-                    lambda history=history, parts=parts: code_domain_attention(
-                        query, history, mask, query_parts=parts
-                    ),
+            for kernel in ("auto", "off"):
+                rows.append(
+                    (
+                        f"{mode}: codes ({'native' if kernel == 'auto' else 'torch ops'}), parts {parts}",
+                        lambda history=history, parts=parts, kernel=kernel: _with_kernel(
+                            kernel, lambda: code_domain_attention(query, history, mask, query_parts=parts)
+                        ),
+                    )
                 )
-            )
     for name, function in rows:
         best, median, cpu = timed(function, args.reps)
         print(f"{name:<34} {best:8.2f} / {median:8.2f} ms  (cpu {cpu:8.2f} ms)")

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from hybrid_cache.code_kernel import kernel_status
+
 __all__ = [
     "Contention",
     "ContentionMeter",
@@ -95,6 +97,8 @@ def machine_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        # Which path attention on the int8 / int4 codes takes here (the native kernel, or torch ops and why).
+        "code_kernel": kernel_status(),
     }
 
 

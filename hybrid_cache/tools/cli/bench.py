@@ -444,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"load average {machine['loadavg_at_start']}, other processes busy on {probe.other_cores or 0:.1f} CPUs, "
         f"torch {machine['torch']}, transformers {machine['transformers']}"
     )
+    _log(f"attention on the codes (int8 / int4 caches): native kernel {machine['code_kernel']}")
     warning = busy_machine_warning(meter, probe)
     if warning:
         _log(warning)
