@@ -139,7 +139,7 @@ def kernel_status() -> str:
 
 
 def _geometry_fits(codes: torch.Tensor, scales: torch.Tensor, mode: str) -> bool:
-    channels = codes.shape[-1] * (2 if mode == "int4" else 1)
+    channels = _channels(codes, mode)
     groups = scales.shape[-1]
     return (
         mode in ("int8", "int4")
@@ -193,6 +193,33 @@ def _splits(batch_heads: int, length: int) -> tuple[int, int]:
     return max(1, min(-(-threads // batch_heads), length // _MIN_SPLIT_TOKENS)), threads
 
 
+def _loaded_for(codes: torch.Tensor, scales: torch.Tensor, mode: str) -> ctypes.CDLL:
+    """The library, after checking that it is loaded and that the codes and scales are what the kernel reads."""
+    library = _load()[0]
+    if library is None:
+        raise CodeKernelError(f"the native kernel is {_load()[1]}; check `kernel_usable` before calling it.")
+    if not _geometry_fits(codes, scales, mode) or codes.device.type != "cpu" or scales.device.type != "cpu":
+        raise ValueError(
+            f"The native kernel does not take {mode} codes {codes.dtype} {list(codes.shape)} with scales "
+            f"{scales.dtype} {list(scales.shape)} on {codes.device}; check `kernel_usable` before calling it."
+        )
+    return library
+
+
+def _channels(codes: torch.Tensor, mode: str) -> int:
+    return codes.shape[-1] * (2 if mode == "int4" else 1)
+
+
+def _require(tensor: torch.Tensor, shape: tuple[int, ...], name: str, dtype: torch.dtype | None = None) -> None:
+    """The kernel reads raw memory: a tensor of another shape or dtype than the codes imply is refused here."""
+    if tuple(tensor.shape) != shape or (dtype is not None and tensor.dtype != dtype) or tensor.device.type != "cpu":
+        wanted = f"{dtype} " if dtype is not None else ""
+        raise ValueError(
+            f"`{name}` must be a CPU {wanted}tensor of shape {list(shape)} for these codes, got {tensor.dtype} "
+            f"{list(tensor.shape)} on {tensor.device}."
+        )
+
+
 def _strides(tensor: torch.Tensor) -> ctypes.Array:
     return (ctypes.c_int64 * 3)(*tensor.stride()[:3])
 
@@ -220,13 +247,17 @@ def history_scores(
     levels); row `r` adds into output row `r % m`, and `row_constants` `[b, h, m]` is added to every score of its
     row. Call only where `kernel_usable` said True.
     """
-    library = _load()[0]
+    library = _loaded_for(codes, scales, mode)
     batch, heads, length, _ = codes.shape
     channels, groups = query_codes.shape[-1], scales.shape[-1]
-    if out.shape != (batch, heads, row_constants.shape[-1], length) or out.dtype != torch.float32:
-        raise ValueError(f"`out` must be float32 [{batch}, {heads}, m, {length}], got {out.dtype} {tuple(out.shape)}.")
-    if out.stride(-1) != 1:
-        raise ValueError("`out` must have contiguous tokens (stride 1 in its last dimension).")
+    rows, out_rows = query_codes.shape[2], out.shape[2]
+    _require(scales, (batch, heads, length, groups), "scales")
+    _require(query_codes, (batch, heads, rows, _channels(codes, mode)), "query_codes", torch.int8)
+    _require(query_weights, (batch, heads, rows, groups), "query_weights")
+    _require(row_constants, (batch, heads, out_rows), "row_constants")
+    _require(out, (batch, heads, out_rows, length), "out", torch.float32)
+    if rows % out_rows or out.stride(-1) != 1:
+        raise ValueError(f"{rows} query rows must be a multiple of out's {out_rows}, and out's tokens contiguous.")
     if not length:
         return
     query_codes = query_codes.contiguous()
@@ -264,10 +295,12 @@ def history_values(
     """`sum_t p_t * factor * scale_(t, g) * codes_t` `[b, h, m, D]` float32 for probabilities `[b, h, m, L]` float32
     (any strides but contiguous tokens). `codes` / `scales` as in `history_scores`. Call only where `kernel_usable`
     said True."""
-    library = _load()[0]
+    library = _loaded_for(codes, scales, mode)
     batch, heads, length, _ = codes.shape
     rows, groups = probabilities.shape[2], scales.shape[-1]
-    channels = codes.shape[-1] * (2 if mode == "int4" else 1)
+    channels = _channels(codes, mode)
+    _require(scales, (batch, heads, length, groups), "scales")
+    _require(probabilities, (batch, heads, rows, length), "probabilities")
     if probabilities.stride(-1) != 1 or probabilities.dtype != torch.float32:
         probabilities = probabilities.float().contiguous()
     splits, threads = _splits(batch * heads, length)

@@ -30,6 +30,7 @@ def tiny_gemma3(
     vocab: int = VOCAB,
     softcap: float | None = None,
     layer_types: list[str] | None = None,
+    head_dim: int = 8,
 ) -> Gemma3ForCausalLM:
     """Gemma 3 text model, 5 sliding : 1 full unless `layer_types` says otherwise, GQA (4 query heads over 2 KV
     heads), final-logit soft-cap `softcap`, fp32, eval mode."""
@@ -41,7 +42,7 @@ def tiny_gemma3(
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
+        head_dim=head_dim,
         sliding_window=window,
         max_position_embeddings=4096,
         final_logit_softcapping=softcap,
@@ -65,6 +66,7 @@ def tiny_gemma4(
     kv_heads: int = 2,
     global_kv_heads: int = 1,
     per_layer_input: int = 8,
+    global_head_dim: int = 16,
 ) -> Gemma4ForCausalLM:
     """Gemma 4 text model with KV-shared layers and different head size / KV heads for sliding and full layers.
 
@@ -83,7 +85,7 @@ def tiny_gemma4(
         num_attention_heads=query_heads,
         num_key_value_heads=kv_heads,
         head_dim=8,
-        global_head_dim=16,
+        global_head_dim=global_head_dim,
         num_global_key_value_heads=global_kv_heads,
         attention_k_eq_v=True,
         sliding_window=window,
