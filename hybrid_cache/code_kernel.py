@@ -122,10 +122,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         logger.warning("hybrid_cache: the native code-attention kernel is unavailable (%s); using torch ops.", error)
         return None, f"unavailable: {error}"
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    shared = [pointer, pointer, pointer, pointer, integer, integer, integer, integer, integer, integer, integer]
+    shared = [pointer, pointer, pointer, pointer, *[integer] * 9]  # `_code_arguments`
     library.hc_scores.argtypes = [*shared, pointer, pointer, integer, integer, pointer, pointer, pointer]
-    library.hc_scores.argtypes += [integer, integer]
-    library.hc_values.argtypes = [*shared, pointer, pointer, integer, ctypes.c_float, pointer, integer, integer]
+    library.hc_values.argtypes = [*shared, pointer, pointer, integer, ctypes.c_float, pointer]
     library.hc_scores.restype = library.hc_values.restype = ctypes.c_int
     return library, f"loaded from {path}"
 
@@ -220,6 +219,27 @@ def _require(tensor: torch.Tensor, shape: tuple[int, ...], name: str, dtype: tor
         )
 
 
+def _code_arguments(codes: torch.Tensor, scales: torch.Tensor, mode: str, splits: int, threads: int) -> tuple:
+    """The arguments both entry points start with: the codes and scales with their strides, the geometry, the work
+    split."""
+    batch, heads, length, _ = codes.shape
+    return (
+        codes.data_ptr(),
+        _strides(codes),
+        scales.data_ptr(),
+        _strides(scales),
+        _SCALE_DTYPES[scales.dtype],
+        batch,
+        heads,
+        length,
+        _channels(codes, mode),
+        scales.shape[-1],
+        int(mode == "int4"),
+        splits,
+        threads,
+    )
+
+
 def _strides(tensor: torch.Tensor) -> ctypes.Array:
     return (ctypes.c_int64 * 3)(*tensor.stride()[:3])
 
@@ -249,7 +269,7 @@ def history_scores(
     """
     library = _loaded_for(codes, scales, mode)
     batch, heads, length, _ = codes.shape
-    channels, groups = query_codes.shape[-1], scales.shape[-1]
+    groups = scales.shape[-1]
     rows, out_rows = query_codes.shape[2], out.shape[2]
     _require(scales, (batch, heads, length, groups), "scales")
     _require(query_codes, (batch, heads, rows, _channels(codes, mode)), "query_codes", torch.int8)
@@ -265,26 +285,14 @@ def history_scores(
     row_constants = row_constants.float().contiguous()
     splits, threads = _splits(batch * heads, length)
     status = library.hc_scores(
-        codes.data_ptr(),
-        _strides(codes),
-        scales.data_ptr(),
-        _strides(scales),
-        _SCALE_DTYPES[scales.dtype],
-        batch,
-        heads,
-        length,
-        channels,
-        groups,
-        int(mode == "int4"),
+        *_code_arguments(codes, scales, mode, splits, threads),
         query_codes.data_ptr(),
         query_weights.data_ptr(),
-        query_codes.shape[2],
-        out.shape[2],
+        rows,
+        out_rows,
         row_constants.data_ptr(),
         out.data_ptr(),
         _strides(out),
-        splits,
-        threads,
     )
     _check(status, "history_scores")
 
@@ -308,24 +316,12 @@ def history_values(
     if not length:
         return partial.sum(2)
     status = library.hc_values(
-        codes.data_ptr(),
-        _strides(codes),
-        scales.data_ptr(),
-        _strides(scales),
-        _SCALE_DTYPES[scales.dtype],
-        batch,
-        heads,
-        length,
-        channels,
-        groups,
-        int(mode == "int4"),
+        *_code_arguments(codes, scales, mode, splits, threads),
         probabilities.data_ptr(),
         _strides(probabilities),
         rows,
         factor,
         partial.data_ptr(),
-        splits,
-        threads,
     )
     _check(status, "history_values")
     return partial.sum(2) if splits > 1 else partial.squeeze(2)

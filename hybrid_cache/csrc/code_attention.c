@@ -262,39 +262,47 @@ static int run(Job *job, int scores) {
     return 0;
 }
 
+// The fields both entry points share; returns 0, or -2 for a geometry the kernel does not take (the Python side checks
+// it first).
+static int code_job(Job *job, const int8_t *codes, const int64_t *code_strides, const void *scales,
+                    const int64_t *scale_strides, int64_t scale_dtype, int64_t batch, int64_t heads, int64_t length,
+                    int64_t dim, int64_t groups, int64_t int4, int64_t splits, int64_t threads) {
+    if (dim % BLOCK || dim / BLOCK > MAX_BLOCKS || (dim / BLOCK) % groups || (int4 && dim % (2 * BLOCK))) return -2;
+    memset(job, 0, sizeof *job);
+    job->codes = codes;
+    memcpy(job->code_strides, code_strides, sizeof job->code_strides);
+    job->scales = scales;
+    memcpy(job->scale_strides, scale_strides, sizeof job->scale_strides);
+    job->scale_dtype = scale_dtype;
+    job->batch = batch, job->heads = heads, job->length = length, job->dim = dim, job->groups = groups;
+    job->int4 = int4, job->splits = splits, job->threads = threads;
+    return 0;
+}
+
 int hc_scores(const int8_t *codes, const int64_t *code_strides, const void *scales, const int64_t *scale_strides,
               int64_t scale_dtype, int64_t batch, int64_t heads, int64_t length, int64_t dim, int64_t groups,
-              int64_t int4, const int8_t *query, const float *query_weights, int64_t rows, int64_t out_rows,
-              const float *row_constants, float *scores, const int64_t *score_strides, int64_t splits, int64_t threads) {
-    if (dim % BLOCK || dim / BLOCK > MAX_BLOCKS || (dim / BLOCK) % groups || (int4 && dim % (2 * BLOCK))) return -2;
-    Job job = {0};
-    job.codes = codes;
-    memcpy(job.code_strides, code_strides, sizeof job.code_strides);
-    job.scales = scales;
-    memcpy(job.scale_strides, scale_strides, sizeof job.scale_strides);
-    job.scale_dtype = scale_dtype;
-    job.batch = batch, job.heads = heads, job.length = length, job.dim = dim, job.groups = groups, job.int4 = int4;
+              int64_t int4, int64_t splits, int64_t threads, const int8_t *query, const float *query_weights,
+              int64_t rows, int64_t out_rows, const float *row_constants, float *scores,
+              const int64_t *score_strides) {
+    Job job;
+    if (code_job(&job, codes, code_strides, scales, scale_strides, scale_dtype, batch, heads, length, dim, groups, int4,
+                 splits, threads))
+        return -2;
     job.query = query, job.query_weights = query_weights, job.rows = rows, job.out_rows = out_rows;
     job.row_constants = row_constants, job.scores = scores;
     memcpy(job.score_strides, score_strides, sizeof job.score_strides);
-    job.splits = splits, job.threads = threads;
     return run(&job, 1);
 }
 
 int hc_values(const int8_t *codes, const int64_t *code_strides, const void *scales, const int64_t *scale_strides,
               int64_t scale_dtype, int64_t batch, int64_t heads, int64_t length, int64_t dim, int64_t groups,
-              int64_t int4, const float *probs, const int64_t *prob_strides, int64_t out_rows, float factor,
-              float *partial, int64_t splits, int64_t threads) {
-    if (dim % BLOCK || dim / BLOCK > MAX_BLOCKS || (dim / BLOCK) % groups || (int4 && dim % (2 * BLOCK))) return -2;
-    Job job = {0};
-    job.codes = codes;
-    memcpy(job.code_strides, code_strides, sizeof job.code_strides);
-    job.scales = scales;
-    memcpy(job.scale_strides, scale_strides, sizeof job.scale_strides);
-    job.scale_dtype = scale_dtype;
-    job.batch = batch, job.heads = heads, job.length = length, job.dim = dim, job.groups = groups, job.int4 = int4;
-    job.probs = probs;
+              int64_t int4, int64_t splits, int64_t threads, const float *probs, const int64_t *prob_strides,
+              int64_t out_rows, float factor, float *partial) {
+    Job job;
+    if (code_job(&job, codes, code_strides, scales, scale_strides, scale_dtype, batch, heads, length, dim, groups, int4,
+                 splits, threads))
+        return -2;
+    job.probs = probs, job.out_rows = out_rows, job.factor = factor, job.partial = partial;
     memcpy(job.prob_strides, prob_strides, sizeof job.prob_strides);
-    job.out_rows = out_rows, job.factor = factor, job.partial = partial, job.splits = splits, job.threads = threads;
     return run(&job, 0);
 }
