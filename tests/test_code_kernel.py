@@ -344,3 +344,60 @@ def test_generate_through_the_kernel_equals_the_torch_path(name, mode, case, ker
     assert torch.equal(tokens, expected_tokens)
     if case != "beams3":  # beam logits are per-beam scores, compared through the tokens
         torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-4)
+
+
+# --- 5. the kernel's thread pool --------------------------------------------------------------------------------------
+def _values_in_forked_child(history, probabilities, expected, results) -> None:
+    """In a forked child: torch single-threaded (GNU OpenMP, which torch uses, cannot run a parallel region in a
+    child forked after the parent ran one, with or without this package), the kernel on two threads."""
+    torch.set_num_threads(1)
+    code_kernel._splits = lambda batch_heads, length: (2, 2)
+    actual = code_kernel.history_values(history.value_codes, history.value_scales, history.mode, probabilities, 1.0)
+    results.put(bool(torch.allclose(actual, expected, rtol=0, atol=1e-5 * expected.abs().max().item())))
+
+
+@needs_kernel
+def test_python_threads_and_a_forked_child_share_the_pool_safely(kernel_env):
+    """The kernel keeps its worker threads between calls: calls from several Python threads at once (ctypes releases
+    the GIL) are serialized and give the single-threaded result, and a child forked after the pool started builds
+    its own pool instead of waiting forever for the parent's workers (bounded: the child is killed after 60 s)."""
+    import multiprocessing
+    import threading
+
+    case = random_case(13) | {"mode": "int8", "head_dim": 256, "group": 64, "dtype": torch.float32, "history": 2000}
+    case |= {"batch": 1, "kv_heads": 1, "rep": 4, "query": 1}
+    history, query, mask = build_step(case, 13)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = code_domain_attention(query, history, mask)
+        outputs, errors = [], []
+
+        def repeat() -> None:
+            try:
+                outputs.extend(code_domain_attention(query, history, mask) for _ in range(20))
+            except Exception as error:  # surfaced below
+                errors.append(error)
+
+        threads = [threading.Thread(target=repeat) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not errors and len(outputs) == 60
+        for output in outputs:
+            torch.testing.assert_close(output, expected, rtol=0, atol=1e-5 * expected.abs().max())
+        probabilities = torch.softmax(torch.randn(1, 1, 4, history.history_length), -1)
+        values = code_kernel.history_values(history.value_codes, history.value_scales, "int8", probabilities, 1.0)
+        context = multiprocessing.get_context("fork")
+        results = context.Queue()
+        child = context.Process(target=_values_in_forked_child, args=(history, probabilities, values, results))
+        child.start()
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+            child.join()
+            pytest.fail("the forked child hung in the kernel (a pool inherited from the parent)")
+        assert child.exitcode == 0 and results.get(timeout=5)
+    finally:
+        torch.set_num_threads(previous)

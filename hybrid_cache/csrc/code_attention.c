@@ -222,43 +222,91 @@ static void values_item(const Job *a, int64_t bh, int64_t split, int64_t t0, int
     else values_body(a, bh, split, t0, t1, m, blocks);
 }
 
-typedef struct {
-    const Job *job;
-    int64_t thread;
-    int scores;
-} Task;
-
-// Work items are (batch x head, split) pairs, each a contiguous range of tokens; thread i takes items i, i + n, ...
-static void *run_task(void *argument) {
-    const Task *task = (const Task *)argument;
-    const Job *a = task->job;
+// Work items are (batch x head, split) pairs, each a contiguous range of tokens; thread i of n takes items i, i + n, ...
+static void run_items(const Job *a, int scores, int64_t thread) {
     int64_t chunk = (a->length + a->splits - 1) / a->splits;
-    for (int64_t item = task->thread; item < a->batch * a->heads * a->splits; item += a->threads) {
+    for (int64_t item = thread; item < a->batch * a->heads * a->splits; item += a->threads) {
         int64_t bh = item / a->splits, split = item % a->splits;
         int64_t t0 = split * chunk < a->length ? split * chunk : a->length;
         int64_t t1 = t0 + chunk < a->length ? t0 + chunk : a->length;
-        if (task->scores) scores_item(a, bh, t0, t1);
+        if (scores) scores_item(a, bh, t0, t1);
         else values_item(a, bh, split, t0, t1);
+    }
+}
+
+// A pool of worker threads kept between calls: starting a thread costs about 130 us on the machine this was measured
+// on (docs/quantization.md), more than a batch-1 call's work. Workers sleep on a condition variable; a call publishes
+// its job under a new generation, runs thread 0's items itself and waits until the workers it used are done. Calls
+// are serialized (one job at a time). After fork() the child starts with no workers (its own pool on first use).
+static struct {
+    pthread_mutex_t call, lock;
+    pthread_cond_t start, done;
+    int64_t generation, active, pending, workers;
+    const Job *job;
+    int scores;
+} pool = {.call = PTHREAD_MUTEX_INITIALIZER,
+        .lock = PTHREAD_MUTEX_INITIALIZER,
+        .start = PTHREAD_COND_INITIALIZER,
+        .done = PTHREAD_COND_INITIALIZER};
+
+// The generation each worker was started at: it takes every job published after it (a worker started during a call
+// must not mistake that call's job for an old one).
+static int64_t start_generation[MAX_THREADS];
+
+static void *worker(void *argument) {
+    int64_t index = (int64_t)(intptr_t)argument;
+    pthread_mutex_lock(&pool.lock);
+    int64_t seen = start_generation[index];
+    for (;;) {
+        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.lock);
+        seen = pool.generation;
+        if (index >= pool.active) continue;  // not part of this job
+        const Job *job = pool.job;
+        int scores = pool.scores;
+        pthread_mutex_unlock(&pool.lock);
+        run_items(job, scores, index);
+        pthread_mutex_lock(&pool.lock);
+        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
     }
     return NULL;
 }
 
-// Runs the job on `threads` threads (the calling one included); where a thread cannot be started, the calling thread
-// takes its items too.
+static void reset_after_fork(void) {  // the child has none of the parent's threads
+    pthread_mutex_init(&pool.call, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.start, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.workers = 0, pool.active = 0, pool.pending = 0;
+}
+
+// Runs the job on `threads` threads (the calling one included); where a worker cannot be started, fewer threads take
+// all the items (the job's thread count is set to the number that ran).
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
+
 static int run(Job *job, int scores) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_fork_handler);
     int64_t n = job->threads < 1 ? 1 : (job->threads > MAX_THREADS ? MAX_THREADS : job->threads);
-    job->threads = n;
-    pthread_t ids[MAX_THREADS];
-    Task tasks[MAX_THREADS];
-    int64_t started = 1;
-    for (int64_t i = 0; i < n; i++) tasks[i] = (Task){job, i, scores};
-    for (; started < n; started++)
-        if (pthread_create(&ids[started], NULL, run_task, &tasks[started])) break;
-    if (started < n) {  // run the missing threads' items here
-        for (int64_t i = started; i < n; i++) run_task(&tasks[i]);
+    pthread_mutex_lock(&pool.call);
+    while (pool.workers < n - 1) {  // workers 1 .. n - 1
+        pthread_t id;
+        start_generation[pool.workers + 1] = pool.generation;  // only run() changes it, under pool.call
+        if (pthread_create(&id, NULL, worker, (void *)(intptr_t)(pool.workers + 1))) break;
+        pthread_detach(id);
+        pool.workers++;
     }
-    run_task(&tasks[0]);
-    for (int64_t i = 1; i < started; i++) pthread_join(ids[i], NULL);
+    if (n > pool.workers + 1) n = pool.workers + 1;
+    job->threads = n;
+    pthread_mutex_lock(&pool.lock);
+    pool.job = job, pool.scores = scores, pool.active = n, pool.pending = n - 1;
+    pool.generation++;
+    pthread_cond_broadcast(&pool.start);
+    pthread_mutex_unlock(&pool.lock);
+    run_items(job, scores, 0);
+    pthread_mutex_lock(&pool.lock);
+    while (pool.pending) pthread_cond_wait(&pool.done, &pool.lock);
+    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_unlock(&pool.call);
     return 0;
 }
 
