@@ -13,11 +13,12 @@ Building: on first use, `$CC` (default `cc`) compiles the source once per source
 second; later processes load the library from there. The file is written under a temporary name and renamed, so
 concurrent processes never load half a library.
 
-Switch: the environment variable `HYBRID_CACHE_CODE_KERNEL` is read when the kernel is first needed: `auto` (the
-default: use it where it can run), `off` (always the torch path), `on` (raise `CodeKernelError` where it cannot run,
-with the reason). `kernel_status()` says which applies and why; the benchmarks print it.
+Switch: the environment variable `HYBRID_CACHE_CODE_KERNEL`, read at every call: `auto` (the default: use the kernel
+where it can run), `off` (always the torch path), `on` (raise `CodeKernelError` where it cannot run, with the reason).
+`kernel_status()` says which applies and why (building the kernel if needed); the benchmarks print it.
 
-Threads: `torch.get_num_threads()` POSIX threads per call, each taking whole (batch x head, token range) items; the
+Threads: `torch.get_num_threads()` threads per call (the caller and workers of a pool the library keeps between calls;
+a forked child starts its own), each taking whole (batch x head, token range) items; calls are serialized, and the
 call releases the GIL (ctypes).
 """
 
