@@ -24,6 +24,7 @@ from .distributed import restrict_to_stage, stage_layers
 from .errors import (  # noqa: F401, E402
     CacheCapacityError,
     CodeAttentionError,
+    CodeKernelError,
     ConversationMismatchError,
     HybridCacheError,
     RollbackError,

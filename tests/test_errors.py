@@ -72,6 +72,7 @@ def test_every_error_has_one_base_and_keeps_its_builtin_base():
         "WindowMismatchError": ValueError,
         "ConversationMismatchError": ValueError,
         "CodeAttentionError": RuntimeError,
+        "CodeKernelError": RuntimeError,
         "UnsupportedReleaseError": RuntimeError,
     }
     assert set(errors.__all__) == set(builtin) | {"HybridCacheError"}
