@@ -238,6 +238,25 @@ def get_model(name: str, window: int = 6, dtype: torch.dtype = torch.float32, at
 
 
 # --- prompts, schedules, padded batches -------------------------------------------------------------------------------
+def decode_step_mask(
+    batch: int, history: int, query: int, kind: str, dtype: torch.dtype, padding: int
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The mask of a step of `query` tokens after `history` stored ones, as a model would pass it to attention:
+    `(mask, allowed)`, `allowed` `[batch, 1, query, history + query]` boolean (the history visible, the step's own
+    tokens causal, and with `batch > 1` and a mask the last row's first `padding` tokens left padding), `mask` the same
+    as `kind` "bool", "float" (additive, in `dtype`) or "none" (None)."""
+    allowed = torch.ones(batch, 1, query, history + query, dtype=torch.bool)
+    allowed[..., history:] = torch.ones(query, query, dtype=torch.bool).tril()
+    if batch > 1 and kind != "none":
+        allowed[-1, ..., : min(padding, history)] = False  # left padding of the last row
+    mask = {
+        "bool": allowed,
+        "none": None,
+        "float": torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min),
+    }[kind]
+    return mask, allowed
+
+
 def tokens(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     """Random token ids `[batch, length]` from 3 upwards (0, 1, 2 are pad / eos / bos)."""
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))

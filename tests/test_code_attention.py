@@ -16,7 +16,16 @@ import random
 
 import pytest
 import torch
-from builders import VOCAB, chunked_logits, get_model, prompt, repetitive_prompt, tiny_gemma3, tiny_gemma4
+from builders import (
+    VOCAB,
+    chunked_logits,
+    decode_step_mask,
+    get_model,
+    prompt,
+    repetitive_prompt,
+    tiny_gemma3,
+    tiny_gemma4,
+)
 from transformers import DynamicCache
 
 import hybrid_cache.code_attention as code_attention
@@ -69,16 +78,7 @@ def build_step(case: dict, seed: int):
     handle_keys, handle_values = layer.update(new_keys, new_values, return_codes=True)
     dense_keys, dense_values = dequantizing.update(new_keys, new_values)
     query = randn(b, h * case["rep"], case["query"], d)
-    total, q = case["history"] + case["query"], case["query"]
-    allowed = torch.ones(b, 1, q, total, dtype=torch.bool)
-    allowed[..., case["history"] :] = torch.ones(q, q, dtype=torch.bool).tril()
-    if b > 1 and case["mask"] != "none":
-        allowed[-1, ..., : min(3, case["history"])] = False  # left padding of the last row
-    mask = {
-        "bool": allowed,
-        "none": None,
-        "float": torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min),
-    }[case["mask"]]
+    mask, allowed = decode_step_mask(b, case["history"], case["query"], case["mask"], dtype, padding=3)
     return handle_keys, handle_values, dense_keys, dense_values, query, mask, allowed
 
 

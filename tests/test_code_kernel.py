@@ -18,7 +18,7 @@ import random
 
 import pytest
 import torch
-from builders import prompt, tiny_gemma3, tiny_gemma4
+from builders import decode_step_mask, prompt, tiny_gemma3, tiny_gemma4
 
 import hybrid_cache.code_kernel as code_kernel
 from hybrid_cache import HybridRingCache, cache_kwargs
@@ -98,16 +98,7 @@ def build_step(case: dict, seed: int):
     step_values = torch.randn(b, h, q, d, generator=generator).to(dtype)
     handle_keys, _ = layer.update(step_keys, step_values, return_codes=True)
     query = torch.randn(b, h * case["rep"], q, d, generator=generator).to(dtype)
-    total = case["history"] + q
-    allowed = torch.ones(b, 1, q, total, dtype=torch.bool)
-    allowed[..., case["history"] :] = torch.ones(q, q, dtype=torch.bool).tril()
-    if b > 1 and case["mask"] != "none":
-        allowed[-1, ..., : min(5, case["history"])] = False  # left padding of the last row
-    mask = {
-        "bool": allowed,
-        "none": None,
-        "float": torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min),
-    }[case["mask"]]
+    mask, _ = decode_step_mask(b, case["history"], q, case["mask"], dtype, padding=5)
     return handle_keys.history, query, mask
 
 
