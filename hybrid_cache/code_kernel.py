@@ -203,6 +203,7 @@ def _loaded_for(codes: torch.Tensor, scales: torch.Tensor, mode: str) -> ctypes.
             f"The native kernel does not take {mode} codes {codes.dtype} {list(codes.shape)} with scales "
             f"{scales.dtype} {list(scales.shape)} on {codes.device}; check `kernel_usable` before calling it."
         )
+    _require(scales, (*codes.shape[:3], scales.shape[-1]), "scales")
     return library
 
 
@@ -272,7 +273,6 @@ def history_scores(
     batch, heads, length, _ = codes.shape
     groups = scales.shape[-1]
     rows, out_rows = query_codes.shape[2], out.shape[2]
-    _require(scales, (batch, heads, length, groups), "scales")
     _require(query_codes, (batch, heads, rows, _channels(codes, mode)), "query_codes", torch.int8)
     _require(query_weights, (batch, heads, rows, groups), "query_weights")
     _require(row_constants, (batch, heads, out_rows), "row_constants")
@@ -306,16 +306,15 @@ def history_values(
     said True."""
     library = _loaded_for(codes, scales, mode)
     batch, heads, length, _ = codes.shape
-    rows, groups = probabilities.shape[2], scales.shape[-1]
+    rows = probabilities.shape[2]
     channels = _channels(codes, mode)
-    _require(scales, (batch, heads, length, groups), "scales")
     _require(probabilities, (batch, heads, rows, length), "probabilities")
+    if not length:
+        return torch.zeros((batch, heads, rows, channels), dtype=torch.float32)
     if probabilities.stride(-1) != 1 or probabilities.dtype != torch.float32:
         probabilities = probabilities.float().contiguous()
     splits, threads = _splits(batch * heads, length)
-    partial = torch.zeros((batch, heads, splits, rows, channels), dtype=torch.float32)
-    if not length:
-        return partial.sum(2)
+    partial = torch.empty((batch, heads, splits, rows, channels), dtype=torch.float32)  # the kernel writes every one
     status = library.hc_values(
         *_code_arguments(codes, scales, mode, splits, threads),
         probabilities.data_ptr(),
