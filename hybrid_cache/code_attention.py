@@ -24,7 +24,7 @@ computes the same attention on the codes instead:
 The arithmetic is exact up to: the query's int8 rounding (error measured in docs/quantization.md; `query_parts=2`
 makes it negligible), float32 summation order, and the final cast to the model dtype. The codes themselves are read
 as they are, so the result equals attention over the dequantized history with that rounded query
-(`reference_attention`, the oracle of tests/test_code_attention.py).
+(`reference_attention`, the oracle of tests/core/test_code_attention.py).
 
 How it plugs into transformers: the attention function `hybrid_cache_attention` is registered through
 `AttentionInterface` under `CODE_ATTENTION` (`"hybrid_cache_sdpa"`; its mask function is SDPA's). For every call
@@ -36,6 +36,12 @@ operation) gets a `CodeAttentionError` naming the fix, never garbage. Which path
 per step by its `full_layer_code_attention` option (default: follow the model's attention implementation, so the
 switch is `model.set_attn_implementation("hybrid_cache_sdpa")` and back, or `use_code_attention(model)`).
 
+Which path runs where (docs/quantization.md has the measured table): the native kernel (`code_kernel`) where it can
+run; elsewhere (no compiler, another CPU, a geometry the kernel does not take, another device) the torch operations
+above are slower than dequantizing on some machines (3.4x the exact ring against 1.7x on an AVX2 CPU), so a layer
+attends on its codes there only where that measured faster: `codes_preferred`, switched by
+`HYBRID_CACHE_CODE_FALLBACK` (`auto`: measured once per machine and geometry, cached on disk; `codes`; `dequantize`).
+
 Registration (on import of `hybrid_cache`) adds one name to transformers' global attention and mask registries; it
 changes nothing for any model that does not select that name.
 """
@@ -43,7 +49,7 @@ changes nothing for any model that does not select that name.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +115,15 @@ class CompressedHistory:
     current_keys: torch.Tensor
     current_values: torch.Tensor
     query_parts: int = 1
+    #: Called when attention on this history is refused or fails after the layer stored the step (the cache undoes
+    #: the step at its next call: `steps.StepJournal.fail`).
+    on_refusal: Callable[[], None] | None = None
+
+    def refuse(self, error: BaseException) -> BaseException:
+        """`error`, after telling the cache (`on_refusal`) that this step's attention did not run."""
+        if self.on_refusal is not None:
+            self.on_refusal()
+        return error
 
     def __post_init__(self) -> None:
         if self.mode not in CODE_ATTENTION_MODES:
@@ -144,6 +159,7 @@ class CompressedKV(torch.Tensor):
     `.history`); every torch operation on it raises `CodeAttentionError`."""
 
     history: CompressedHistory
+    role: str  # "keys" or "values"
 
     @staticmethod
     def __new__(cls, history: CompressedHistory, role: str) -> CompressedKV:
@@ -154,11 +170,20 @@ class CompressedKV(torch.Tensor):
         handle.role = role
         return handle
 
+    # torch declares `Tensor.__torch_dispatch__` as a plain C function (`_disabled_torch_dispatch_impl`); subclasses
+    # override it with the classmethod its protocol calls (torch's subclass documentation), which mypy cannot match.
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise CodeAttentionError(_MISUSE.format(what=f"`{func}` was called on it (another attention function?)"))
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Iterable[type], args: tuple[Any, ...] = (), kwargs: dict[Any, Any] | None = None
+    ) -> Any:
+        error = CodeAttentionError(_MISUSE.format(what=f"`{func}` was called on it (another attention function?)"))
+        for handle in (a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, CompressedKV)):
+            handle.history.refuse(error)
+        raise error
 
-    def __repr__(self) -> str:
+    # mypy reads torch's `Tensor.__repr__(self, *, tensor_contents=None)` with a keyword it cannot match (`*, Any =`),
+    # even when repeated here; a handle has no contents to show, so it takes none.
+    def __repr__(self) -> str:  # type: ignore[override]
         return f"CompressedKV({self.role}, shape={tuple(self.shape)}, dtype={self.dtype}, mode={self.history.mode})"
 
 
@@ -169,6 +194,7 @@ def _scaled_codes(codes: torch.Tensor, mode: str, out: torch.Tensor | None) -> t
     high half of the byte, the high nibble masked in place, both exact in int8)."""
     if mode != "int4":
         return codes
+    assert out is not None  # int4 callers pass the buffer the nibbles are unpacked into
     half = codes.shape[-1]
     torch.bitwise_left_shift(codes, 4, out=out[..., :half])
     torch.bitwise_and(codes, -16, out=out[..., half:])
@@ -193,6 +219,7 @@ def _calibrated_query(query: torch.Tensor, history: CompressedHistory) -> tuple[
     rotated like the keys) and the shift's constant `[b, h, m]`."""
     constant = torch.zeros(query.shape[:-1], dtype=torch.float32, device=query.device)
     if history.key_shift is not None:
+        assert history.key_scale is not None  # the calibration sets the shift and the scale together
         constant = (query * history.key_shift.float()).sum(-1)
         query = query * history.key_scale.float()
     groups = history.key_scales.shape[-1]
@@ -437,6 +464,7 @@ def reference_attention(
         if history.key_scale is not None:
             rounded = rounded / history.key_scale.double()
     if history.key_shift is not None:
+        assert history.key_scale is not None  # the calibration sets the shift and the scale together
         # k = shift + scale * codes': the shift's term with the exact query, the rest with the rounded one.
         scores_history = (exact * history.key_shift.double()).sum(-1, keepdim=True) + rounded @ (
             keys * history.key_scale.double()
@@ -474,10 +502,26 @@ def hybrid_cache_attention(
     decode step (`key` / `value` are `CompressedKV`), transformers' `sdpa_attention_forward` for every other call."""
     if not isinstance(key, CompressedKV):
         if isinstance(value, CompressedKV):
-            raise CodeAttentionError(_MISUSE.format(what="only the values were a handle"))
+            raise value.history.refuse(CodeAttentionError(_MISUSE.format(what="only the values were a handle")))
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    try:
+        return _attention_on_codes(query, key, value, attention_mask, dropout, scaling, **kwargs)
+    except BaseException as error:
+        key.history.refuse(error)
+        raise
+
+
+def _attention_on_codes(
+    query: torch.Tensor,
+    key: CompressedKV,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     if not isinstance(value, CompressedKV) or value.history is not key.history:
         raise CodeAttentionError(_MISUSE.format(what="the values are not the handle of the same step as the keys"))
     if dropout:

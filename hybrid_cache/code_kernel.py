@@ -1,21 +1,32 @@
 """The native CPU kernel of attention on the codes: the two loops over a compressed history (scores from the key
-codes, the value sum from the value codes) in C with AVX-512 VNNI (`csrc/code_attention.c`), for x86-64.
+codes, the value sum from the value codes) in C (`csrc/code_attention.c`), for x86-64 with AVX-512 VNNI or AVX2 + FMA
++ F16C (with AVX-VNNI where the CPU has it) and for aarch64 with NEON (with the dot-product extension where present).
 
 `hybrid_cache.code_attention` computes the same two loops with torch operations; this module is its faster path, used
-when all of these hold (`kernel_usable`): the CPU has AVX-512 F/BW/VL/VNNI (read from `/proc/cpuinfo`), a C compiler
-built the kernel, the tensors are on the CPU without autograd and outside `torch.compile`, and the geometry fits
-(head size and group size multiples of 64, heads of at most 1024 channels, int4 heads a multiple of 128: Gemma 3's
-256 and Gemma 4's 256 / 512 with the default group of 64). Otherwise the torch path runs; the result is the same up to
-float32 summation order (tests/test_code_kernel.py holds both to `reference_attention`).
+when all of these hold (`kernel_usable`): the CPU has one of the instruction sets, a C compiler built the kernel for
+it, the tensors are on the CPU without autograd and outside `torch.compile`, and the geometry fits (head size and group
+size multiples of 64, heads of at most 1024 channels, int4 heads a multiple of 128: Gemma 3's 256 and Gemma 4's 256 /
+512 with the default group of 64). Otherwise the torch path runs (or the layer dequantizes, where that is faster:
+`code_path.codes_preferred`); the result is the same up to float32 summation order (tests/core/test_code_kernel.py
+holds both to `reference_attention`; scripts/kernel_cross_check.sh holds every instruction set's build to a reference
+in plain C, aarch64 under qemu).
 
-Building: on first use, `$CC` (default `cc`) compiles the source once per source, compiler and flags into
-`$HYBRID_CACHE_KERNEL_DIR` (default `$XDG_CACHE_HOME/hybrid_cache` or `~/.cache/hybrid_cache`), in well under a
-second; later processes load the library from there. The file is written under a temporary name and renamed, so
-concurrent processes never load half a library.
+Instruction set: `HYBRID_CACHE_CODE_KERNEL_ISA`, read at every call: `auto` (the default: the best set the CPU reports,
+in the order avx512, avx2, neon) or one of them, to run and measure a path on a CPU that has more. The CPU's features
+come from `/proc/cpuinfo` on Linux and from `sysctl` on macOS (untested: docs/limits.md). A forced set the CPU lacks
+leaves the kernel unavailable (under `HYBRID_CACHE_CODE_KERNEL=on`, `kernel_usable` raises `CodeKernelError` naming
+what is missing).
+
+Building: on first use of a set, `$CC` (default `cc`) compiles the one source with that set's flags into
+`$HYBRID_CACHE_KERNEL_DIR` (default `$XDG_CACHE_HOME/hybrid_cache` or `~/.cache/hybrid_cache`), once per source,
+compiler and flags, in about a second; later processes load the library from there. The file is written under a
+temporary name and renamed, so concurrent processes never load half a library. The library names the set it was
+built for (`hc_isa`), which is checked on loading.
 
 Switch: the environment variable `HYBRID_CACHE_CODE_KERNEL`, read at every call: `auto` (the default: use the kernel
-where it can run), `off` (always the torch path), `on` (raise `CodeKernelError` where it cannot run, with the reason).
-`kernel_status()` says which applies and why (building the kernel if needed); the benchmarks print it.
+where it can run), `off` (never), `on` (raise `CodeKernelError` where it cannot run, with the reason).
+`kernel_status()` says which applies, with the instruction set, or why not (building the kernel if needed); the
+benchmarks print it.
 
 Threads: `torch.get_num_threads()` threads per call (the caller and workers of a pool the library keeps between calls;
 a forked child starts its own), each taking whole (batch x head, token range) items; calls are serialized, and the
@@ -32,7 +43,9 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,15 +53,57 @@ from transformers.utils import is_torchdynamo_compiling
 
 from .errors import CodeKernelError
 
-__all__ = ["KERNEL_ENV", "CodeKernelError", "history_scores", "history_values", "kernel_status", "kernel_usable"]
+__all__ = [
+    "build_dir",
+    "INSTRUCTION_SETS",
+    "ISA_ENV",
+    "KERNEL_ENV",
+    "CodeKernelError",
+    "available_isas",
+    "cpu_features",
+    "history_scores",
+    "history_values",
+    "kernel_status",
+    "kernel_usable",
+    "missing_features",
+]
 
 logger = logging.getLogger(__name__)
 
 KERNEL_ENV = "HYBRID_CACHE_CODE_KERNEL"
+ISA_ENV = "HYBRID_CACHE_CODE_KERNEL_ISA"
 _SOURCE = Path(__file__).with_name("csrc") / "code_attention.c"
-_COMPILE_FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
-_COMPILE_FLAGS += ("-mf16c", "-mfma")
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
+_COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
+
+
+@dataclass(frozen=True)
+class _InstructionSet:
+    """One build of the kernel: the machine, the CPU features it needs (as Linux's /proc/cpuinfo names them), its
+    compiler flags, and an optional extension used where the CPU reports it (its feature, name and flags)."""
+
+    machine: str
+    features: tuple[str, ...]
+    flags: tuple[str, ...]
+    extension: tuple[str, str, tuple[str, ...]] | None = None
+
+
+# In the order `auto` tries them.
+INSTRUCTION_SETS = {
+    "avx512": _InstructionSet(
+        "x86_64",
+        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"),
+    ),
+    "avx2": _InstructionSet(
+        "x86_64",
+        ("avx2", "fma", "f16c"),
+        ("-mavx2", "-mfma", "-mf16c"),
+        ("avx_vnni", "avx-vnni", ("-mavxvnni",)),
+    ),
+    "neon": _InstructionSet(
+        "aarch64", ("asimd",), ("-march=armv8-a",), ("asimddp", "dotprod", ("-march=armv8.2-a+dotprod",))
+    ),
+}
 _SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BLOCK = 64  # channels per vector of codes
 _MAX_CHANNELS = 1024
@@ -64,78 +119,163 @@ def _mode() -> str:
     return mode
 
 
-def _missing_cpu_flags() -> list[str]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return [f"an x86-64 CPU (this is {platform.machine()})"]
+def _isa_setting() -> str:
+    setting = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    if setting != "auto" and setting not in INSTRUCTION_SETS:
+        raise CodeKernelError(
+            f"{ISA_ENV}={setting!r} is not an instruction set; use auto (the default) or one of "
+            f"{', '.join(INSTRUCTION_SETS)}."
+        )
+    return setting
+
+
+def _machine() -> str:
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+# macOS `sysctl` names (upper case, without Linux's underscores) -> the /proc/cpuinfo names used above.
+_MACOS_FEATURES = {"avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni", "avx2": "avx2", "fma": "fma", "f16c": "f16c"}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> frozenset[str]:
+    """The CPU's features as Linux's /proc/cpuinfo names them (x86 `flags`, aarch64 `Features`); on macOS read
+    with `sysctl` and renamed to match (untested). Empty where neither can be read."""
+    if sys.platform == "darwin":
+        return _macos_features()
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            for line in f:
+                key = line.split(":", 1)[0].strip().lower()
+                if key in ("flags", "features"):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return ["/proc/cpuinfo (to read the CPU's flags)"]
-    return [flag for flag in _CPU_FLAGS if flag not in flags]
+        pass
+    return frozenset()
 
 
-def _cache_dir() -> Path:
+def _sysctl(name: str) -> str:
+    try:
+        result = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, check=False, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+def _macos_features() -> frozenset[str]:
+    if _machine() == "aarch64":  # Apple silicon: NEON always; the dot product from M1 on
+        features = {"asimd"}
+        if _sysctl("hw.optional.arm.FEAT_DotProd") == "1":
+            features.add("asimddp")
+        return frozenset(features)
+    names = f"{_sysctl('machdep.cpu.features')} {_sysctl('machdep.cpu.leaf7_features')}".lower().split()
+    return frozenset(_MACOS_FEATURES.get(name.replace(".", ""), name.replace(".", "")) for name in names)
+
+
+def missing_features(isa: str) -> list[str]:
+    """What this CPU lacks to run the kernel's `isa` build ([] where it can)."""
+    spec = INSTRUCTION_SETS[isa]
+    if _machine() != spec.machine:
+        return [f"an {spec.machine} CPU (this is {platform.machine()})"]
+    features = cpu_features()
+    if not features:
+        return [f"its feature list ({'sysctl' if sys.platform == 'darwin' else '/proc/cpuinfo'} could not be read)"]
+    return [feature for feature in spec.features if feature not in features]
+
+
+def available_isas() -> list[str]:
+    """The instruction sets this CPU can run the kernel with, best first (the order `auto` tries)."""
+    return [isa for isa in INSTRUCTION_SETS if not missing_features(isa)]
+
+
+def build_dir() -> Path:
     if os.environ.get("HYBRID_CACHE_KERNEL_DIR"):
         return Path(os.environ["HYBRID_CACHE_KERNEL_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "hybrid_cache"
 
 
-def _build() -> Path:
-    """Compile the kernel (once per source, compiler and flags) and return the library's path."""
+def _build(isa: str) -> tuple[Path, str]:
+    """Compile the kernel for `isa` (once per source, compiler and flags); return the library's path and the name of
+    the build (the set, with its extension where the CPU has it)."""
+    spec = INSTRUCTION_SETS[isa]
+    flags, name = (*_COMMON_FLAGS, *spec.flags), isa
+    if spec.extension is not None and spec.extension[0] in cpu_features():
+        flags, name = (*flags, *spec.extension[2]), f"{isa}+{spec.extension[1]}"
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise CodeKernelError(f"no C compiler: `{compiler}` is not on PATH (install gcc, or set CC)")
     source = _SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(source + version.encode() + " ".join(_COMPILE_FLAGS).encode()).hexdigest()[:16]
-    directory = _cache_dir()
-    library = directory / f"code_attention-{key}.so"
+    key = hashlib.sha256(source + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    directory = build_dir()
+    library = directory / f"code_attention-{name}-{key}.so"
     if library.exists():
-        return library
+        return library, name
     directory.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(dir=directory, prefix=library.stem, suffix=".tmp")
     os.close(handle)
     try:
         result = subprocess.run(
-            [compiler, *_COMPILE_FLAGS, str(_SOURCE), "-o", partial], capture_output=True, text=True, check=False
+            [compiler, *flags, str(_SOURCE), "-o", partial], capture_output=True, text=True, check=False
         )
         if result.returncode:
-            raise CodeKernelError(f"`{compiler}` could not build {_SOURCE.name}: {result.stderr.strip()[-600:]}")
+            raise CodeKernelError(
+                f"`{compiler}` could not build {_SOURCE.name} for {name}: {result.stderr.strip()[-600:]}"
+            )
         os.replace(partial, library)
     finally:
         if os.path.exists(partial):
             os.remove(partial)
-    return library
+    return library, name
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    """(the loaded library or None, why) — tried once per process."""
-    missing = _missing_cpu_flags()
-    if missing:
-        return None, f"unavailable: the CPU lacks {', '.join(missing)}"
+@functools.cache
+def _load(setting: str) -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library or None, what it is or why not) for an `ISA_ENV` setting — tried once per process."""
+    if setting == "auto":
+        usable = available_isas()
+        if not usable:
+            return None, (
+                f"unavailable: the CPU has none of the kernel's instruction sets ({', '.join(INSTRUCTION_SETS)}; "
+                f"this is {platform.machine()})"
+            )
+        isa = usable[0]
+    else:
+        isa, missing = setting, missing_features(setting)
+        if missing:
+            return None, f"unavailable: {ISA_ENV}={setting} needs what this CPU lacks: {', '.join(missing)}"
     try:
-        path = _build()
+        path, name = _build(isa)
         library = ctypes.CDLL(str(path))
-    except (CodeKernelError, OSError) as error:
+        library.hc_isa.restype = ctypes.c_char_p
+        built = library.hc_isa().decode()
+        if built != name:
+            raise CodeKernelError(f"{path} was built for {built}, not {name} (a stale or foreign library)")
+    except (CodeKernelError, OSError, AttributeError) as error:
         logger.warning("hybrid_cache: the native code-attention kernel is unavailable (%s); using torch ops.", error)
         return None, f"unavailable: {error}"
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    shared = [pointer, pointer, pointer, pointer, *[integer] * 9]  # `_code_arguments`
+    shared: list[type[ctypes.c_void_p] | type[ctypes.c_int64]] = [pointer] * 4 + [integer] * 9  # `_code_arguments`
     library.hc_scores.argtypes = [*shared, pointer, pointer, integer, integer, pointer, pointer, pointer]
     library.hc_values.argtypes = [*shared, pointer, pointer, integer, ctypes.c_float, pointer]
     library.hc_scores.restype = library.hc_values.restype = ctypes.c_int
-    return library, f"loaded from {path}"
+    return library, f"{name} kernel, loaded from {path}"
+
+
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    return _load(_isa_setting())
 
 
 def kernel_status() -> str:
-    """One line: whether the kernel runs (`on`, `off` or `auto` and its library), or why not."""
-    mode = _mode()
+    """One line: whether the kernel runs (`on`, `off` or `auto`, the instruction set and its library, e.g. "auto: avx2
+    kernel, loaded from ..."), or why not."""
+    mode, setting = _mode(), _isa_setting()
     if mode == "off":
-        return f"off ({KERNEL_ENV}=off): torch ops"
-    return f"{mode}: {_load()[1]}"
+        return f"off ({KERNEL_ENV}=off): no native kernel"
+    forced = f" ({ISA_ENV}={setting})" if setting != "auto" else ""
+    return f"{mode}{forced}: {_library()[1]}"
 
 
 def _geometry_fits(codes: torch.Tensor, scales: torch.Tensor, mode: str) -> bool:
@@ -164,8 +304,9 @@ def kernel_usable(codes: torch.Tensor, scales: torch.Tensor, mode: str, *others:
         return False
     tensors = (codes, scales, *others)
     reasons = []
-    if _load()[0] is None:
-        reasons.append(_load()[1])
+    library, why = _library()
+    if library is None:
+        reasons.append(why)
     if any(t.device.type != "cpu" for t in tensors):
         reasons.append("the tensors are not on the CPU")
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -180,7 +321,7 @@ def kernel_usable(codes: torch.Tensor, scales: torch.Tensor, mode: str, *others:
     if reasons and mode_setting == "on":
         raise CodeKernelError(
             f"{KERNEL_ENV}=on, but the native kernel cannot run here: {'; '.join(reasons)}. Set {KERNEL_ENV}=auto "
-            f"to fall back to torch ops."
+            f"to fall back to torch ops{' (or another instruction set)' if _isa_setting() != 'auto' else ''}."
         )
     return not reasons
 
@@ -195,9 +336,9 @@ def _splits(batch_heads: int, length: int) -> tuple[int, int]:
 
 def _loaded_for(codes: torch.Tensor, scales: torch.Tensor, mode: str) -> ctypes.CDLL:
     """The library, after checking that it is loaded and that the codes and scales are what the kernel reads."""
-    library = _load()[0]
+    library, why = _library()
     if library is None:
-        raise CodeKernelError(f"the native kernel is {_load()[1]}; check `kernel_usable` before calling it.")
+        raise CodeKernelError(f"the native kernel is {why}; check `kernel_usable` before calling it.")
     if not _geometry_fits(codes, scales, mode) or codes.device.type != "cpu" or scales.device.type != "cpu":
         raise ValueError(
             f"The native kernel does not take {mode} codes {codes.dtype} {list(codes.shape)} with scales "

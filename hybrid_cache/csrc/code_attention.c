@@ -1,21 +1,41 @@
-// The two history loops of attention on the codes (hybrid_cache/code_attention.py), for x86-64 with AVX-512 VNNI:
-// built and loaded by hybrid_cache/code_kernel.py, which checks every shape, stride and dtype before calling.
+// The two history loops of attention on the codes (hybrid_cache/code_attention.py), built once per instruction set
+// from this one source (hybrid_cache/code_kernel.py picks the set from the CPU's features, compiles this file with
+// that set's flags and loads it with ctypes, after checking every shape, stride and dtype):
+//
+//   avx512  x86-64 AVX-512 F/BW/VL + VNNI (vpdpbusd), 16 float32 / 64 int8 lanes
+//   avx2    x86-64 AVX2 + FMA + F16C (vpmaddubsw + vpmaddwd; vpdpbusd on 256 bits where the build has AVX-VNNI)
+//   neon    aarch64 Advanced SIMD (vdotq_s32 where the build has the dot-product extension, vmull_s8 + vpadalq_s16
+//           otherwise)
+//
+// Every set computes the same numbers: exact int32 dot products, float32 products and sums (only their order
+// differs between sets and thread counts).
 //
 // hc_scores: for every history token t and query row r, row_constant[r] plus the sum over groups g of
 //     key_scale[t, g] * query_weight[r, g] * (codes[t, g] . query[r, g])
-// with exact int32 dot products: vpdpbusd multiplies unsigned by signed bytes, so the codes are read as c + 128
-// (a flipped sign bit) and 128 * sum(query[r, g]) is taken off again. Rows r >= out_rows add into row r % out_rows
-// (the second part of a two-part query).
+// (query codes in [-127, 127], as hybrid_cache.code_attention rounds them). Rows r >= out_rows add into row
+// r % out_rows (the second part of a two-part query).
 // hc_values: for every query row j, sum over t of prob[j, t] * value_scale[t, g] * factor * codes[t, g], in float32,
 // into one partial sum per (batch, head, split) that the caller adds up.
 //
 // Codes: int8 [.., L, D] with channels contiguous, or int4 [.., L, D / 2] (channel j in the low nibble of byte j,
 // channel j + D / 2 in the high nibble), read as 16 x the nibble. D and the group size are multiples of 64
 // (int4: D a multiple of 128), so that every 64-channel block lies in one group and in one half of the bytes.
-#include <immintrin.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HC_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HC_AVX2 1
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define HC_NEON 1
+#include <arm_neon.h>
+#else
+#error "code_attention.c needs AVX-512 VNNI, AVX2 + FMA + F16C (x86-64) or NEON (aarch64): see code_kernel.py"
+#endif
 
 #define BLOCK 64
 #define MAX_BLOCKS 16
@@ -23,25 +43,43 @@
 
 enum { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 };
 
+// The instruction set this build uses (the Python side checks it against the one it asked for).
+const char *hc_isa(void) {
+#if defined(HC_AVX512)
+    return "avx512";
+#elif defined(HC_AVX2) && defined(__AVXVNNI__)
+    return "avx2+avx-vnni";
+#elif defined(HC_AVX2)
+    return "avx2";
+#elif defined(__ARM_FEATURE_DOTPROD)
+    return "neon+dotprod";
+#else
+    return "neon";
+#endif
+}
+
+static inline float half_to_float(uint16_t half) {
+#if defined(HC_NEON)
+    __fp16 value;
+    memcpy(&value, &half, sizeof value);
+    return (float)value;
+#else
+    return _cvtsh_ss(half);
+#endif
+}
+
 static inline float load_scale(const void *base, int64_t index, int64_t dtype) {
     if (dtype == SCALE_F32) return ((const float *)base)[index];
     uint16_t half = ((const uint16_t *)base)[index];
-    if (dtype == SCALE_F16) return _cvtsh_ss(half);
+    if (dtype == SCALE_F16) return half_to_float(half);
     uint32_t bits = (uint32_t)half << 16;
     float value;
     memcpy(&value, &bits, sizeof value);
     return value;
 }
 
-// Block k (channels 64k .. 64k + 63) of one token, as int8 (int4: 16 x the nibble).
-static inline __m512i load_block(const int8_t *row, int64_t k, int64_t half, int64_t int4) {
-    if (!int4) return _mm512_loadu_si512((const void *)(row + k * BLOCK));
-    const __m512i high_nibbles = _mm512_set1_epi8((char)0xF0);
-    int64_t byte = k * BLOCK;
-    if (byte < half)
-        return _mm512_and_si512(_mm512_slli_epi16(_mm512_loadu_si512((const void *)(row + byte)), 4), high_nibbles);
-    return _mm512_and_si512(_mm512_loadu_si512((const void *)(row + byte - half)), high_nibbles);
-}
+// Tokens per tile of the value sum: each tile's codes are read from memory once (block by block from the caches).
+#define VALUE_TILE 128
 
 typedef struct {
     const int8_t *codes;
@@ -63,6 +101,29 @@ typedef struct {
     float factor;
     float *partial;  // [B, H, splits, out_rows, D] contiguous
 } Job;
+
+// The value sum's weights of tokens tile .. end - 1 for rows j0 .. j0 + rows - 1 (at most 4) and one group (whose
+// scale index for token 0 is `scale_index`): prob * scale * factor, as weights[token - tile][row - j0].
+static inline void tile_weights(const Job *a, const float *probs, int64_t scale_index, int64_t tile, int64_t end,
+                                int64_t j0, int64_t rows, float *weights) {
+    for (int64_t t = tile; t < end; t++) {
+        float scale = a->factor * load_scale(a->scales, scale_index + t * a->scale_strides[2], a->scale_dtype);
+        for (int64_t j = 0; j < rows; j++)
+            weights[(t - tile) * 4 + j] = probs[(j0 + j) * a->prob_strides[2] + t] * scale;
+    }
+}
+
+#if defined(HC_AVX512)
+// --- AVX-512 VNNI -------------------------------------------------------------------------------------------------
+// Block k (channels 64k .. 64k + 63) of one token, as int8 (int4: 16 x the nibble).
+static inline __m512i load_block(const int8_t *row, int64_t k, int64_t half, int64_t int4) {
+    if (!int4) return _mm512_loadu_si512((const void *)(row + k * BLOCK));
+    const __m512i high_nibbles = _mm512_set1_epi8((char)0xF0);
+    int64_t byte = k * BLOCK;
+    if (byte < half)
+        return _mm512_and_si512(_mm512_slli_epi16(_mm512_loadu_si512((const void *)(row + byte)), 4), high_nibbles);
+    return _mm512_and_si512(_mm512_loadu_si512((const void *)(row + byte - half)), high_nibbles);
+}
 
 // Lane i of the result: the sum of the 16 lanes of v[i] (a transpose-and-add tree, 45 operations for 16 sums).
 static inline __m512i sum_lanes16(const __m512i v[16]) {
@@ -150,15 +211,6 @@ static inline __attribute__((always_inline)) void scores_body(const Job *a, int6
     }
 }
 
-static void scores_item(const Job *a, int64_t bh, int64_t t0, int64_t t1) {
-    int64_t G = a->groups, R = a->rows, per_group = a->dim / BLOCK / a->groups;
-    if (per_group == 1 && G == 4 && R == 4) scores_body(a, bh, t0, t1, 4, 4, 1);
-    else if (per_group == 1 && G == 4 && R == 8) scores_body(a, bh, t0, t1, 4, 8, 1);
-    else if (per_group == 1 && G == 8 && R == 4) scores_body(a, bh, t0, t1, 8, 4, 1);
-    else if (per_group == 1 && G == 8 && R == 8) scores_body(a, bh, t0, t1, 8, 8, 1);
-    else scores_body(a, bh, t0, t1, G, R, per_group);
-}
-
 static inline void block_to_float(const int8_t *row, int64_t k, int64_t half, int64_t int4, __m512 f[4]) {
     if (!int4) {  // sign-extending loads straight from memory
         const int8_t *src = row + k * BLOCK;
@@ -172,9 +224,6 @@ static inline void block_to_float(const int8_t *row, int64_t k, int64_t half, in
     f[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(x, 2)));
     f[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(x, 3)));
 }
-
-// Tokens per tile of the value sum: each tile's codes are read from memory once (block by block from the caches).
-#define VALUE_TILE 128
 
 static inline __attribute__((always_inline)) void values_body(const Job *a, int64_t bh, int64_t split, int64_t t0,
                                                                int64_t t1, const int64_t m, const int64_t blocks) {
@@ -213,6 +262,260 @@ static inline __attribute__((always_inline)) void values_body(const Job *a, int6
     }
 }
 
+
+#elif defined(HC_AVX2)
+// --- AVX2 + FMA (+ AVX-VNNI) ------------------------------------------------------------------------------------
+// 32 channels (half h of block k) of one token, as int8 (int4: 16 x the nibble).
+static inline __m256i load_half(const int8_t *row, int64_t k, int64_t h, int64_t half, int64_t int4) {
+    int64_t byte = k * BLOCK + 32 * h;
+    if (!int4) return _mm256_loadu_si256((const __m256i *)(row + byte));
+    const __m256i high_nibbles = _mm256_set1_epi8((char)0xF0);
+    if (byte < half)
+        return _mm256_and_si256(_mm256_slli_epi16(_mm256_loadu_si256((const __m256i *)(row + byte)), 4), high_nibbles);
+    return _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(row + byte - half)), high_nibbles);
+}
+
+// acc + the 32 products codes * query, summed in fours into 8 int32 lanes, exactly: the codes' magnitudes (|-128| =
+// 128 read unsigned) times the query with the codes' signs, so that vpmaddubsw's unsigned x signed pair sums stay
+// within int16 (2 * 128 * 127 < 2^15; the query is in [-127, 127]).
+static inline __m256i dot32(__m256i acc, __m256i magnitudes, __m256i codes, __m256i query) {
+    __m256i signed_query = _mm256_sign_epi8(query, codes);
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, magnitudes, signed_query);
+#else
+    __m256i pairs = _mm256_maddubs_epi16(magnitudes, signed_query);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// Lane i of the result: the sum of the 8 lanes of v[i].
+static inline __m256i sum_lanes8(const __m256i v[8]) {
+    __m256i s01 = _mm256_hadd_epi32(v[0], v[1]), s23 = _mm256_hadd_epi32(v[2], v[3]);
+    __m256i s45 = _mm256_hadd_epi32(v[4], v[5]), s67 = _mm256_hadd_epi32(v[6], v[7]);
+    __m256i s0123 = _mm256_hadd_epi32(s01, s23), s4567 = _mm256_hadd_epi32(s45, s67);  // per 128-bit half
+    return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20),
+                            _mm256_permute2x128_si256(s0123, s4567, 0x31));
+}
+
+// Scores of tokens t0 .. t1 - 1 of one (batch, head). The (row, group) dot products are formed 8 at a time (chunk c
+// holds pairs 8c .. 8c + 7, pair i = row i / G, group i % G), summed lane-wise by one tree, converted and weighted
+// in one vector each; the groups of a row are then added up.
+static inline __attribute__((always_inline)) void scores_body(const Job *a, int64_t bh, int64_t t0, int64_t t1,
+                                                               const int64_t G, const int64_t R, const int64_t per_group) {
+    int64_t b = bh / a->heads, h = bh % a->heads;
+    int64_t m = a->out_rows;
+    int64_t blocks = G * per_group, D = blocks * BLOCK, half = D / 2;
+    int64_t pairs = R * G, chunks = (pairs + 7) / 8;
+    const int8_t *codes = a->codes + b * a->code_strides[0] + h * a->code_strides[1];
+    int64_t scale_base = b * a->scale_strides[0] + h * a->scale_strides[1];
+    const int8_t *query = a->query + bh * R * D;
+    const float *weights = a->query_weights + bh * R * G;
+    const float *constants = a->row_constants + bh * m;
+    float *out = a->scores + b * a->score_strides[0] + h * a->score_strides[1];
+    float pair_weights[chunks * 8];
+    int32_t group_of[chunks * 8];
+    for (int64_t i = 0; i < chunks * 8; i++) {
+        pair_weights[i] = i < pairs ? weights[i] : 0.0f;
+        group_of[i] = (int32_t)(i < pairs ? i % G : 0);
+    }
+    __m256i signed_codes[2 * MAX_BLOCKS], magnitudes[2 * MAX_BLOCKS], dots[8];
+    float token_scales[16] = {0}, products[8], row_sums[R];
+    for (int64_t t = t0; t < t1; t++) {
+        const int8_t *row = codes + t * a->code_strides[2];
+        for (int64_t k = 0; k < blocks; k++)
+            for (int64_t i = 0; i < 2; i++) {
+                signed_codes[2 * k + i] = load_half(row, k, i, half, a->int4);
+                magnitudes[2 * k + i] = _mm256_abs_epi8(signed_codes[2 * k + i]);
+            }
+        for (int64_t g = 0; g < G; g++)
+            token_scales[g] = load_scale(a->scales, scale_base + t * a->scale_strides[2] + g, a->scale_dtype);
+        __m256 scales_low = _mm256_loadu_ps(token_scales), scales_high = _mm256_loadu_ps(token_scales + 8);
+        for (int64_t r = 0; r < R; r++) row_sums[r] = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            for (int64_t l = 0; l < 8; l++) {
+                int64_t i = c * 8 + l;
+                __m256i dot = _mm256_setzero_si256();
+                if (i < pairs) {
+                    int64_t r = i / G, g = i % G;
+                    for (int64_t v = 2 * g * per_group; v < 2 * (g + 1) * per_group; v++)
+                        dot = dot32(dot, magnitudes[v], signed_codes[v],
+                                    _mm256_loadu_si256((const __m256i *)(query + r * D + v * 32)));
+                }
+                dots[l] = dot;
+            }
+            __m256i exact = sum_lanes8(dots);
+            __m256i group = _mm256_loadu_si256((const __m256i *)(group_of + c * 8));
+            __m256 scale = _mm256_permutevar8x32_ps(scales_low, group);
+            if (G > 8) {
+                __m256 high = _mm256_permutevar8x32_ps(scales_high, group);
+                __m256i upper = _mm256_cmpgt_epi32(group, _mm256_set1_epi32(7));
+                scale = _mm256_blendv_ps(scale, high, _mm256_castsi256_ps(upper));
+            }
+            scale = _mm256_mul_ps(scale, _mm256_loadu_ps(pair_weights + c * 8));
+            _mm256_storeu_ps(products, _mm256_mul_ps(_mm256_cvtepi32_ps(exact), scale));
+            for (int64_t l = 0; l < 8 && c * 8 + l < pairs; l++) row_sums[(c * 8 + l) / G] += products[l];
+        }
+        for (int64_t r = 0; r < R; r++) {
+            if (r < m) out[r * a->score_strides[2] + t] = row_sums[r] + constants[r];
+            else out[(r % m) * a->score_strides[2] + t] += row_sums[r];
+        }
+    }
+}
+
+// Channels c .. c + 15 of one token as float32 (int4: 16 x the nibble).
+static inline void strip_to_float(const int8_t *row, int64_t c, int64_t half, int64_t int4, __m256 f[2]) {
+    if (!int4) {  // sign-extending loads straight from memory
+        f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + c))));
+        f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + c + 8))));
+        return;
+    }
+    const __m128i high_nibbles = _mm_set1_epi8((char)0xF0);
+    __m128i x = c < half ? _mm_and_si128(_mm_slli_epi16(_mm_loadu_si128((const __m128i *)(row + c)), 4), high_nibbles)
+                         : _mm_and_si128(_mm_loadu_si128((const __m128i *)(row + c - half)), high_nibbles);
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
+}
+
+// Channels c .. c + 15 of rows 0 .. rows - 1 (at most 4) of `out` ([row][D]): + sum over tokens tile .. end - 1 of
+// weights[token - tile][row] x the token's codes, accumulated in registers (one conversion per token for all rows).
+static inline __attribute__((always_inline)) void values_strip(const Job *a, const int8_t *codes, int64_t half,
+                                                                int64_t c, int64_t tile, int64_t end,
+                                                                const float *weights, float *out, int64_t D,
+                                                                int64_t rows) {
+    __m256 acc[4][2];
+    for (int64_t j = 0; j < 4; j++)
+        for (int i = 0; i < 2; i++)
+            acc[j][i] = j < rows ? _mm256_loadu_ps(out + j * D + c + 8 * i) : _mm256_setzero_ps();
+    for (int64_t t = tile; t < end; t++) {
+        __m256 f[2];
+        strip_to_float(codes + t * a->code_strides[2], c, half, a->int4, f);
+        const float *w = weights + (t - tile) * 4;
+        for (int64_t j = 0; j < rows; j++) {
+            __m256 weight = _mm256_broadcast_ss(w + j);
+            acc[j][0] = _mm256_fmadd_ps(f[0], weight, acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(f[1], weight, acc[j][1]);
+        }
+    }
+    for (int64_t j = 0; j < rows; j++)
+        for (int i = 0; i < 2; i++) _mm256_storeu_ps(out + j * D + c + 8 * i, acc[j][i]);
+}
+
+#else
+// --- NEON (+ dot product) ---------------------------------------------------------------------------------------
+// 16 channels (quarter i of block k) of one token, as int8 (int4: 16 x the nibble).
+static inline int8x16_t load_quarter(const int8_t *row, int64_t k, int64_t i, int64_t half, int64_t int4) {
+    int64_t byte = k * BLOCK + 16 * i;
+    if (!int4) return vld1q_s8(row + byte);
+    if (byte < half) return vshlq_n_s8(vld1q_s8(row + byte), 4);
+    return vandq_s8(vld1q_s8(row + byte - half), vdupq_n_s8((int8_t)0xF0));
+}
+
+// acc + the 16 products a * b, summed in fours into 4 int32 lanes, exactly (|a * b| <= 128 * 128 fits int16).
+static inline int32x4_t dot16(int32x4_t acc, int8x16_t a, int8x16_t b) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(acc, a, b);
+#else
+    acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+    return vpadalq_s16(acc, vmull_high_s8(a, b));
+#endif
+}
+
+// Scores of tokens t0 .. t1 - 1 of one (batch, head): each (row, group) dot product in one vector, summed across.
+static inline __attribute__((always_inline)) void scores_body(const Job *a, int64_t bh, int64_t t0, int64_t t1,
+                                                               const int64_t G, const int64_t R, const int64_t per_group) {
+    int64_t b = bh / a->heads, h = bh % a->heads;
+    int64_t m = a->out_rows;
+    int64_t blocks = G * per_group, D = blocks * BLOCK, half = D / 2;
+    const int8_t *codes = a->codes + b * a->code_strides[0] + h * a->code_strides[1];
+    int64_t scale_base = b * a->scale_strides[0] + h * a->scale_strides[1];
+    const int8_t *query = a->query + bh * R * D;
+    const float *weights = a->query_weights + bh * R * G;
+    const float *constants = a->row_constants + bh * m;
+    float *out = a->scores + b * a->score_strides[0] + h * a->score_strides[1];
+    int8x16_t token_codes[4 * MAX_BLOCKS];
+    float token_scales[16];
+    for (int64_t t = t0; t < t1; t++) {
+        const int8_t *row = codes + t * a->code_strides[2];
+        for (int64_t k = 0; k < blocks; k++)
+            for (int64_t i = 0; i < 4; i++) token_codes[4 * k + i] = load_quarter(row, k, i, half, a->int4);
+        for (int64_t g = 0; g < G; g++)
+            token_scales[g] = load_scale(a->scales, scale_base + t * a->scale_strides[2] + g, a->scale_dtype);
+        for (int64_t r = 0; r < R; r++) {
+            float sum = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                int32x4_t dot = vdupq_n_s32(0);
+                for (int64_t v = 4 * g * per_group; v < 4 * (g + 1) * per_group; v++)
+                    dot = dot16(dot, token_codes[v], vld1q_s8(query + r * D + v * 16));
+                sum += (float)vaddvq_s32(dot) * (token_scales[g] * weights[r * G + g]);
+            }
+            if (r < m) out[r * a->score_strides[2] + t] = sum + constants[r];
+            else out[(r % m) * a->score_strides[2] + t] += sum;
+        }
+    }
+}
+
+// As in the AVX2 path: channels c .. c + 15 of rows 0 .. rows - 1 (at most 4), 16 of the 32 registers accumulating.
+static inline __attribute__((always_inline)) void values_strip(const Job *a, const int8_t *codes, int64_t half,
+                                                                int64_t c, int64_t tile, int64_t end,
+                                                                const float *weights, float *out, int64_t D,
+                                                                int64_t rows) {
+    float32x4_t acc[4][4];
+    for (int64_t j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++) acc[j][i] = j < rows ? vld1q_f32(out + j * D + c + 4 * i) : vdupq_n_f32(0.0f);
+    for (int64_t t = tile; t < end; t++) {
+        int8x16_t x = load_quarter(codes + t * a->code_strides[2], c / BLOCK, (c % BLOCK) / 16, half, a->int4);
+        int16x8_t low = vmovl_s8(vget_low_s8(x)), high = vmovl_high_s8(x);
+        float32x4_t f[4] = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(low))), vcvtq_f32_s32(vmovl_high_s16(low)),
+                            vcvtq_f32_s32(vmovl_s16(vget_low_s16(high))), vcvtq_f32_s32(vmovl_high_s16(high))};
+        const float *w = weights + (t - tile) * 4;
+        for (int64_t j = 0; j < rows; j++)
+            for (int i = 0; i < 4; i++) acc[j][i] = vfmaq_n_f32(acc[j][i], f[i], w[j]);
+    }
+    for (int64_t j = 0; j < rows; j++)
+        for (int i = 0; i < 4; i++) vst1q_f32(out + j * D + c + 4 * i, acc[j][i]);
+}
+
+#endif
+
+#if !defined(HC_AVX512)
+// The value sum of tokens t0 .. t1 - 1 of one (batch, head) (AVX2, NEON): per tile of tokens, group of 4 rows and
+// block of 64 channels, the tokens' weights prob * scale * factor once, then 4 strips of 16 channels.
+static inline __attribute__((always_inline)) void values_body(const Job *a, int64_t bh, int64_t split, int64_t t0,
+                                                               int64_t t1, const int64_t m, const int64_t blocks) {
+    int64_t b = bh / a->heads, h = bh % a->heads;
+    int64_t G = a->groups, per_group = blocks / G, D = blocks * BLOCK, half = D / 2;
+    const int8_t *codes = a->codes + b * a->code_strides[0] + h * a->code_strides[1];
+    int64_t scale_base = b * a->scale_strides[0] + h * a->scale_strides[1];
+    const float *probs = a->probs + b * a->prob_strides[0] + h * a->prob_strides[1];
+    float *out = a->partial + (bh * a->splits + split) * m * D;
+    float token_weights[VALUE_TILE * 4];  // [token][row] of rows j0 .. j0 + 3
+    memset(out, 0, sizeof(float) * m * D);
+    for (int64_t tile = t0; tile < t1; tile += VALUE_TILE) {
+        int64_t end = tile + VALUE_TILE < t1 ? tile + VALUE_TILE : t1;
+        for (int64_t j0 = 0; j0 < m; j0 += 4) {
+            int64_t rows = m - j0 < 4 ? m - j0 : 4;
+            for (int64_t k = 0; k < blocks; k++) {
+                if (k % per_group == 0)
+                    tile_weights(a, probs, scale_base + k / per_group, tile, end, j0, rows, token_weights);
+                for (int64_t c = k * BLOCK; c < (k + 1) * BLOCK; c += 16)
+                    values_strip(a, codes, half, c, tile, end, token_weights, out + j0 * D, D, rows);
+            }
+        }
+    }
+}
+#endif
+
+// The unrolled geometries (every set): Gemma 3's / Gemma 4's 4 or 8 rows, 4 or 8 groups of 64 (heads of 256 / 512).
+static void scores_item(const Job *a, int64_t bh, int64_t t0, int64_t t1) {
+    int64_t G = a->groups, R = a->rows, per_group = a->dim / BLOCK / a->groups;
+    if (per_group == 1 && G == 4 && R == 4) scores_body(a, bh, t0, t1, 4, 4, 1);
+    else if (per_group == 1 && G == 4 && R == 8) scores_body(a, bh, t0, t1, 4, 8, 1);
+    else if (per_group == 1 && G == 8 && R == 4) scores_body(a, bh, t0, t1, 8, 4, 1);
+    else if (per_group == 1 && G == 8 && R == 8) scores_body(a, bh, t0, t1, 8, 8, 1);
+    else scores_body(a, bh, t0, t1, G, R, per_group);
+}
+
+
 static void values_item(const Job *a, int64_t bh, int64_t split, int64_t t0, int64_t t1) {
     int64_t m = a->out_rows, blocks = a->dim / BLOCK;
     if (m == 4 && blocks == 4) values_body(a, bh, split, t0, t1, 4, 4);
@@ -222,7 +525,7 @@ static void values_item(const Job *a, int64_t bh, int64_t split, int64_t t0, int
     else values_body(a, bh, split, t0, t1, m, blocks);
 }
 
-// Work items are (batch x head, split) pairs, each a contiguous range of tokens; thread i of n takes items i, i + n, ...
+// Work items are (batch x head, split) pairs, each a contiguous range of tokens; thread i of n takes i, i + n, ...
 static void run_items(const Job *a, int scores, int64_t thread) {
     int64_t chunk = (a->length + a->splits - 1) / a->splits;
     for (int64_t item = thread; item < a->batch * a->heads * a->splits; item += a->threads) {

@@ -1,6 +1,8 @@
 """The native kernel of attention on the codes (`hybrid_cache.code_kernel`, `csrc/code_attention.c`).
 
-1. Where the CPU can run it (AVX-512 VNNI) and a C compiler exists, it builds, loads and is used.
+1. Where the CPU can run one of its instruction sets (AVX-512 VNNI, AVX2 + FMA + F16C, NEON) and a C compiler
+   exists, it builds, loads and is used; `HYBRID_CACHE_CODE_KERNEL_ISA` picks the set (every set the CPU has is run
+   by the tests below; the others skip, and scripts/kernel_cross_check.sh checks aarch64 under qemu).
 2. Over random geometries the kernel takes (heads of 64-512 channels, groups of 64-512, int8 / int4, GQA, batch and
    heads fewer or more than the threads, strided views of a layer's storage, float32 / bfloat16 / float16 scales,
    calibration and rotation, masks, one to a few query tokens), its result equals the torch path's and
@@ -14,7 +16,9 @@
 from __future__ import annotations
 
 import copy
+import ctypes
 import random
+import re
 
 import pytest
 import torch
@@ -26,8 +30,15 @@ from hybrid_cache.code_attention import CODE_ATTENTION, code_domain_attention, r
 from hybrid_cache.errors import CodeKernelError
 from hybrid_cache.quantized import DequantWorkspace, QuantizedFullLayer
 
-KERNEL_CAN_RUN = not code_kernel._missing_cpu_flags()
-needs_kernel = pytest.mark.skipif(not KERNEL_CAN_RUN, reason="the CPU lacks AVX-512 VNNI: the kernel cannot run")
+# Hundreds of random geometries of a C kernel that no transformers release changes: the whole suite runs them; the
+# quick suite on older releases leaves them out (setup.cfg's `slow` marker).
+pytestmark = pytest.mark.slow
+
+AVAILABLE = code_kernel.available_isas()
+KERNEL_CAN_RUN = bool(AVAILABLE)
+needs_kernel = pytest.mark.skipif(
+    not KERNEL_CAN_RUN, reason="the CPU has none of the kernel's instruction sets: the kernel cannot run"
+)
 
 
 @pytest.fixture
@@ -38,7 +49,18 @@ def kernel_env(monkeypatch):
         monkeypatch.setenv(code_kernel.KERNEL_ENV, mode)
 
     set_mode("auto")
+    monkeypatch.setenv(code_kernel.ISA_ENV, "auto")
     return set_mode
+
+
+@pytest.fixture(params=list(code_kernel.INSTRUCTION_SETS))
+def isa(request, monkeypatch):
+    """Each instruction set in turn, forced with `HYBRID_CACHE_CODE_KERNEL_ISA`; a set this CPU lacks skips."""
+    missing = code_kernel.missing_features(request.param)
+    if missing:
+        pytest.skip(f"this CPU cannot run the {request.param} kernel: it lacks {', '.join(missing)}")
+    monkeypatch.setenv(code_kernel.ISA_ENV, request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -105,13 +127,14 @@ def build_step(case: dict, seed: int):
 # --- 1. it runs where it can ------------------------------------------------------------------------------------------
 @needs_kernel
 def test_the_kernel_builds_and_loads_on_this_cpu(kernel_env):
-    assert code_kernel.kernel_status().startswith("auto: loaded from "), code_kernel.kernel_status()
+    """`auto` takes the best set the CPU has, and the status names it."""
+    status = code_kernel.kernel_status()
+    assert status.startswith(f"auto: {AVAILABLE[0]}") and " kernel, loaded from " in status, status
 
 
 # --- 2. it computes what the torch path and the reference compute -----------------------------------------------------
-@needs_kernel
 @pytest.mark.parametrize("seed", range(32))
-def test_kernel_equals_the_torch_path_and_the_reference(seed, kernel_env, kernel_calls):
+def test_kernel_equals_the_torch_path_and_the_reference(seed, kernel_env, isa, kernel_calls):
     case = random_case(seed)
     history, query, mask = build_step(case, seed)
     arguments = {"scaling": 0.1, "softcap": case["softcap"], "query_parts": case["parts"]}
@@ -134,12 +157,11 @@ def test_kernel_equals_the_torch_path_and_the_reference(seed, kernel_env, kernel
     torch.testing.assert_close(kernel.float(), with_torch.float(), rtol=0, atol=tolerance * scale)
 
 
-@needs_kernel
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("head_dim", [256, 512])
 @pytest.mark.parametrize("rep, query", [(4, 1), (8, 1), (4, 2)])
 @pytest.mark.parametrize("parts", [1, 2])
-def test_the_unrolled_geometries_equal_the_reference(mode, head_dim, rep, query, parts, kernel_env, kernel_calls):
+def test_the_unrolled_geometries_equal_the_reference(mode, head_dim, rep, query, parts, kernel_env, isa, kernel_calls):
     """The geometries the kernel unrolls (groups of 64 in heads of 256 / 512, as Gemma 3 and Gemma 4 store them;
     4 or 8 query rows per KV head, one or two query parts), which the random cases above rarely draw."""
     case = random_case(head_dim + rep + query + parts) | {"mode": mode, "head_dim": head_dim, "group": 64}
@@ -151,11 +173,11 @@ def test_the_unrolled_geometries_equal_the_reference(mode, head_dim, rep, query,
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5 * expected.abs().max())
 
 
-@needs_kernel
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_scores_of_extreme_codes_are_exact_integer_products(mode, kernel_env):
-    """Codes at both ends of their range against a query at +-127 in both parts, in a 512-channel group: the
-    unsigned-byte trick (codes read as c + 128, then 128 * sum(query) taken off) must give the signed products."""
+def test_scores_of_extreme_codes_are_exact_integer_products(mode, kernel_env, isa):
+    """Codes at both ends of their range against a query at +-127 in both parts, in a 512-channel group: each set's
+    trick (AVX-512: codes read as c + 128, then 128 * sum(query) taken off; AVX2: |c| times the query with c's sign,
+    whose pair sums must stay within int16) must give the signed products."""
     d, length = 512, 70
     layer = QuantizedFullLayer(mode, DequantWorkspace(), group_size=512, key_calibration=False)
     keys = -torch.ones(1, 1, length, d)
@@ -171,8 +193,7 @@ def test_scores_of_extreme_codes_are_exact_integer_products(mode, kernel_env):
         torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
 
 
-@needs_kernel
-def test_results_do_not_depend_on_the_thread_count_beyond_summation_order(kernel_env):
+def test_results_do_not_depend_on_the_thread_count_beyond_summation_order(kernel_env, isa):
     case = random_case(3) | {"batch": 1, "kv_heads": 1, "history": 3000, "dtype": torch.float32, "mode": "int8"}
     case |= {"head_dim": 256, "group": 64, "rep": 4, "query": 1}
     history, query, mask = build_step(case, 3)
@@ -212,8 +233,8 @@ def test_off_runs_the_torch_path(kernel_env, kernel_calls):
 def test_on_raises_where_the_kernel_cannot_run_and_a_bad_setting_raises(kernel_env):
     """`on` promises the kernel: a head of 32 channels (not a multiple of 64) raises with the reason and the fix,
     instead of quietly taking the torch path; a value that is not a setting raises too."""
-    kernel_env("on")
     history, query, mask = build_step(random_case(8) | {"mode": "int8", "head_dim": 32, "group": 32}, 8)
+    kernel_env("on")  # (a layer's update raises too: test_code_kernel_fallback.py)
     with pytest.raises(CodeKernelError, match="multiples of 64.*HYBRID_CACHE_CODE_KERNEL=auto"):
         code_domain_attention(query, history, mask)
     kernel_env("fast")
@@ -241,9 +262,10 @@ def test_without_a_compiler_the_torch_path_gives_the_same_result(kernel_env, mon
 @needs_kernel
 def test_a_build_is_reused_and_a_fresh_directory_builds_again(kernel_env, monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRID_CACHE_KERNEL_DIR", str(tmp_path))
-    first = code_kernel._build()
+    first, name = code_kernel._build(AVAILABLE[0])
     stamp = first.stat().st_mtime_ns
-    assert code_kernel._build() == first and first.stat().st_mtime_ns == stamp
+    assert code_kernel._build(AVAILABLE[0]) == (first, name) and first.stat().st_mtime_ns == stamp
+    assert name.split("+")[0] == AVAILABLE[0] and name in first.name
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
 
 
@@ -283,6 +305,89 @@ def test_the_entry_points_refuse_tensors_that_do_not_match_the_codes(kernel_env)
         code_kernel.history_values(codes, scales, "int8", torch.ones(b, h, 4, length + 5), 1.0)
     with pytest.raises(ValueError, match="does not take"):
         code_kernel.history_values(codes[..., :32], scales, "int8", torch.ones(b, h, 4, length), 1.0)
+
+
+# --- 3b. the instruction set ------------------------------------------------------------------------------------------
+def test_a_set_the_cpu_lacks_falls_back_under_auto_and_raises_under_on(kernel_env, monkeypatch):
+    """Forcing a set this CPU lacks (there is always one: x86-64 lacks NEON, aarch64 lacks AVX): `auto` takes the
+    torch path with the reference's result and says why in the status; `on` raises, naming the set and what lacks."""
+    lacking = next(isa for isa in code_kernel.INSTRUCTION_SETS if code_kernel.missing_features(isa))
+    monkeypatch.setenv(code_kernel.ISA_ENV, lacking)
+    case = random_case(21) | {"mode": "int8", "head_dim": 256, "group": 64, "dtype": torch.float32}
+    history, query, mask = build_step(case, 21)
+    status = code_kernel.kernel_status()
+    assert f"{code_kernel.ISA_ENV}={lacking}" in status and "needs what this CPU lacks" in status, status
+    assert not code_kernel.kernel_usable(history.key_codes, history.key_scales, "int8")
+    expected = reference_attention(query, history, mask)
+    torch.testing.assert_close(code_domain_attention(query, history, mask), expected, rtol=0, atol=1e-5)
+    kernel_env("on")
+    missing = code_kernel.missing_features(lacking)[0]
+    with pytest.raises(CodeKernelError, match=rf"{code_kernel.ISA_ENV}={lacking} needs.*{re.escape(missing)}"):
+        code_domain_attention(query, history, mask)
+
+
+def test_a_bad_instruction_set_raises(kernel_env, monkeypatch):
+    monkeypatch.setenv(code_kernel.ISA_ENV, "sse2")
+    with pytest.raises(CodeKernelError, match="not an instruction set; use auto .*avx512, avx2, neon"):
+        code_kernel.kernel_status()
+
+
+@needs_kernel
+def test_a_forced_set_is_named_in_the_status(kernel_env, monkeypatch):
+    monkeypatch.setenv(code_kernel.ISA_ENV, AVAILABLE[-1])
+    status = code_kernel.kernel_status()
+    assert status.startswith(f"auto ({code_kernel.ISA_ENV}={AVAILABLE[-1]}): {AVAILABLE[-1]}"), status
+
+
+@pytest.mark.parametrize(
+    "machine, features, expected",
+    [
+        ("x86_64", {"avx2", "fma", "f16c"}, ["avx2"]),
+        ("x86_64", {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, ["avx512", "avx2"]),
+        ("x86_64", {"avx2", "fma"}, []),  # no F16C
+        ("x86_64", {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"}, ["avx512"]),
+        ("aarch64", {"asimd", "asimddp"}, ["neon"]),
+        ("aarch64", {"fp"}, []),
+        ("riscv64", {"v"}, []),
+    ],
+)
+def test_the_sets_follow_the_cpus_features(machine, features, expected, monkeypatch):
+    monkeypatch.setattr(code_kernel, "_machine", lambda: machine)
+    monkeypatch.setattr(code_kernel, "cpu_features", lambda: frozenset(features))
+    assert code_kernel.available_isas() == expected
+    for isa in set(code_kernel.INSTRUCTION_SETS) - set(expected):
+        assert code_kernel.missing_features(isa)
+
+
+@pytest.mark.parametrize(
+    "machine, answers, expected",
+    [
+        ("aarch64", {"hw.optional.arm.FEAT_DotProd": "1"}, {"asimd", "asimddp"}),
+        ("aarch64", {}, {"asimd"}),
+        (
+            "x86_64",
+            {"machdep.cpu.features": "FPU SSE F16C FMA", "machdep.cpu.leaf7_features": "AVX2 AVX512F AVX512VNNI"},
+            {"fpu", "sse", "f16c", "fma", "avx2", "avx512f", "avx512_vnni"},
+        ),
+    ],
+)
+def test_macos_features_are_read_from_sysctl_and_renamed(machine, answers, expected, monkeypatch):
+    """macOS is untested on a real machine (docs/limits.md): this checks the reading of `sysctl`'s answers."""
+    monkeypatch.setattr(code_kernel, "_machine", lambda: machine)
+    monkeypatch.setattr(code_kernel, "_sysctl", lambda name: answers.get(name, ""))
+    assert code_kernel._macos_features() == expected
+
+
+@pytest.mark.skipif("avx2" not in AVAILABLE, reason="the CPU lacks AVX2: the avx2 build cannot be checked")
+def test_the_avx_vnni_build_is_made_where_the_cpu_reports_it(monkeypatch, tmp_path):
+    """The AVX2 build adds AVX-VNNI where the CPU reports `avx_vnni`, and the library names what it was built for
+    (only its name is read here: a CPU without AVX-VNNI cannot run its dot products)."""
+    monkeypatch.setenv("HYBRID_CACHE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(code_kernel, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
+    path, name = code_kernel._build("avx2")
+    library = ctypes.CDLL(str(path))
+    library.hc_isa.restype = ctypes.c_char_p
+    assert name == "avx2+avx-vnni" == library.hc_isa().decode()
 
 
 # --- 4. generate through the kernel -----------------------------------------------------------------------------------
