@@ -12,5 +12,13 @@ Library modules (each importable on its own; they use the core only through its 
 - `progress`: progress lines of long passes.
 
 Their command lines (argument parsing, printing, exit statuses) are in `hybrid_cache.tools.cli`. Dependencies beyond
-the core's are in the `tools` extra of `pyproject.toml` (lm-eval and evaluate in `test`); see docs/design.md.
+the core's are in the `tools` extra of `pyproject.toml` (lm-eval and evaluate in `eval`); see docs/design.md.
 """
+
+import os
+
+#: The folder of the `evaluate` metric module "ring_perplexity": `evaluate.load(hybrid_cache.tools.RING_PERPLEXITY_METRIC)`
+#: (a local folder: works offline).
+RING_PERPLEXITY_METRIC = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metrics", "ring_perplexity"
+)

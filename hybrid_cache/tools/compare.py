@@ -15,6 +15,7 @@ from hybrid_cache import HybridRingCache, specs
 __all__ = [
     "CACHE_NAMES",
     "EXACT_CACHE_NAMES",
+    "RING_CACHE_OPTIONS",
     "full_cache_bytes_per_token",
     "kv_bytes_held",
     "layer_kv_geometry",
@@ -23,33 +24,39 @@ __all__ = [
     "text_config",
 ]
 
-# `ring` = HybridRingCache(config); `dynamic` = DynamicCache(config=config); `static` = StaticCache(config, max_len).
-# `ring-<mode>`: the ring with compressed full-attention layers (`HybridRingCache(config,
-# full_layer_quantization=<mode>)`, whose default rotates int4 only; `-rot` / `-norot` force the Hadamard rotation
-# on / off, `-nocal` turns the key calibration off: the designs before, kept for side-by-side runs). `ring-stream`:
-# the ring with bounded full layers (4 sinks + a 2044-token window: a 2048-token budget, so an 8192-token text
-# streams through 4x its budget).
-# `ring-hf-fp8`: the alternative we did not pick, for side-by-side comparisons: the ring with transformers' own
-# `Fp8QuantizedLayer` as full layers (per-tensor scale frozen at the first update; not croppable, not compileable).
-# Their decode steps attend on the int8 / int4 codes when the model's attention implementation is
+# `dynamic` = DynamicCache(config=config); `static` = StaticCache(config, max_len). The rings are
+# `HybridRingCache(config, **RING_CACHE_OPTIONS[name])`: `ring` with the defaults; `ring-<mode>` with
+# compressed full-attention layers (whose default rotates int4 only; `-rot` / `-norot` force the Hadamard rotation
+# on / off, `-nocal` turns the key calibration off: the designs before, kept for side-by-side runs); `ring-stream`
+# with bounded full layers (4 sinks + a 2044-token window: a 2048-token budget, so an 8192-token text streams through
+# 4x its budget).
+# The compressed caches' decode steps attend on the int8 / int4 codes when the model's attention implementation is
 # "hybrid_cache_sdpa" (`hybrid_cache.code_attention`; the benchmark loads models with it); `-deq` keeps today's
 # dequantize-then-SDPA path whatever the model uses (`full_layer_code_attention=False`), for side-by-side runs.
-QUANTIZED_CACHES = {
-    "ring-int8": "int8",
-    "ring-int4": "int4",
-    "ring-fp8": "fp8",
-    "ring-int4-rot": "int4",
-    "ring-int4-norot": "int4",
-    "ring-int8-nocal": "int8",
-    "ring-int4-nocal": "int4",
-    "ring-int8-deq": "int8",
-    "ring-int4-deq": "int4",
-}
-_ROTATION_BY_SUFFIX = {"rot": True, "norot": False}
+# `ring-hf-fp8`: the alternative we did not pick, for side-by-side comparisons: the ring with transformers' own
+# `Fp8QuantizedLayer` as full layers (per-tensor scale frozen at the first update; not croppable, not compileable).
 STREAM_SINK_TOKENS, STREAM_WINDOW = 4, 2044
-CACHE_NAMES = ("ring", "dynamic", "static", *QUANTIZED_CACHES, "ring-stream", "ring-hf-fp8")
+#: name -> the `HybridRingCache` keyword options of that ring (besides `max_cache_len`, set by `make_cache`).
+RING_CACHE_OPTIONS: dict[str, dict[str, Any]] = {
+    "ring": {},
+    "ring-int8": {"full_layer_quantization": "int8"},
+    "ring-int4": {"full_layer_quantization": "int4"},
+    "ring-fp8": {"full_layer_quantization": "fp8"},
+    "ring-int4-rot": {"full_layer_quantization": "int4", "full_layer_rotation": True},
+    "ring-int4-norot": {"full_layer_quantization": "int4", "full_layer_rotation": False},
+    "ring-int8-nocal": {"full_layer_quantization": "int8", "full_layer_key_calibration": False},
+    "ring-int4-nocal": {"full_layer_quantization": "int4", "full_layer_key_calibration": False},
+    "ring-int8-deq": {"full_layer_quantization": "int8", "full_layer_code_attention": False},
+    "ring-int4-deq": {"full_layer_quantization": "int4", "full_layer_code_attention": False},
+    "ring-stream": {"full_layer_sink_tokens": STREAM_SINK_TOKENS, "full_layer_window": STREAM_WINDOW},
+}
 # The caches whose results must equal a no-cache forward (the others are approximate by design).
 EXACT_CACHE_NAMES = ("ring", "dynamic", "static")
+CACHE_NAMES = (
+    *EXACT_CACHE_NAMES,
+    *(name for name in RING_CACHE_OPTIONS if name not in EXACT_CACHE_NAMES),
+    "ring-hf-fp8",
+)
 
 
 def text_config(model_or_config: Any) -> Any:
@@ -61,28 +68,17 @@ def make_cache(name: str, model_or_config: Any, max_cache_len: int, *, compileab
     """Build cache `name` for a model (or its config).
 
     Args:
-        name: one of `CACHE_NAMES`.
+        name: one of `CACHE_NAMES` (the rings: the keys of `RING_CACHE_OPTIONS`).
         model_or_config: the model or its config.
         max_cache_len: `StaticCache`'s capacity (prompt + new tokens); with `compileable=True` also the ring's
             full-layer capacity (its fixed, compileable mode).
     """
     config = getattr(model_or_config, "config", model_or_config)
-    fixed = max_cache_len if compileable else None
-    if name == "ring":
-        return HybridRingCache(config, max_cache_len=fixed)
-    if name in QUANTIZED_CACHES:
-        return HybridRingCache(
-            config,
-            max_cache_len=fixed,
-            full_layer_quantization=QUANTIZED_CACHES[name],
-            full_layer_rotation=_ROTATION_BY_SUFFIX.get(name.rsplit("-", 1)[-1]),
-            full_layer_key_calibration=not name.endswith("-nocal"),
-            full_layer_code_attention=False if name.endswith("-deq") else None,
-        )
-    if name == "ring-stream":
-        if compileable:
-            raise ValueError("ring-stream (bounded full layers) has no compileable mode; time it without --compile.")
-        return HybridRingCache(config, full_layer_sink_tokens=STREAM_SINK_TOKENS, full_layer_window=STREAM_WINDOW)
+    if name in RING_CACHE_OPTIONS:
+        options = RING_CACHE_OPTIONS[name]
+        if compileable and options.get("full_layer_window") is not None:
+            raise ValueError(f"{name} (bounded full layers) has no compileable mode; time it without --compile.")
+        return HybridRingCache(config, max_cache_len=max_cache_len if compileable else None, **options)
     if name == "ring-hf-fp8":
         return _ring_with_transformers_fp8(config, compileable)
     if name == "dynamic":
@@ -96,7 +92,7 @@ def _ring_with_transformers_fp8(config: Any, compileable: bool) -> HybridRingCac
     """The ring whose full layers are transformers' `Fp8QuantizedLayer` (the side-by-side alternative)."""
     from transformers.cache_utils import Fp8QuantizedLayer
 
-    from hybrid_cache.layers import GrowableFullLayer
+    from hybrid_cache.full import GrowableFullLayer
 
     if compileable:
         raise ValueError(

@@ -16,12 +16,12 @@ Command line (`hybrid_cache.tools.cli.lm_eval_ring`; any lm_eval arguments after
 `pretrained=default` is the embedded Gemma 3 270M):
 
 ```bash
-HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python -m hybrid_cache.lm_eval_ring run --model hf-ring \\
+HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python -m hybrid_cache.tools.cli.lm_eval_ring run --model hf-ring \\
     --model_args pretrained=default,ring_chunk_size=256 --include_path tests/lm_eval_tasks \\
     --tasks ring_local_generate,ring_local_perplexity --batch_size 1
 ```
 
-Python: `lm_eval.simple_evaluate(model=RingLM(pretrained=model, tokenizer=tokenizer), tasks=[...])`.
+Python: `lm_eval.simple_evaluate(model=RingLM(pretrained="default"), tasks=[...])` (or a checkpoint path).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class RingLM(HFLM):
 
     Args:
         pretrained: what `HFLM` takes (a path, a Hub id or a loaded model), or `"default"` for the embedded Gemma 3
-            270M (`hybrid_cache.tools.models.load_model()`, tokenizer included).
+            270M (the checkpoint directory of `hybrid_cache.tools.models.default_checkpoint()`, tokenizer included,
+            loaded by `HFLM` without Hub kernels).
         ring_chunk_size (`int`, defaults to 512): tokens per forward when scoring a document with the ring.
         cache_options (`dict`, *optional*): `HybridRingCache` keyword arguments for generation (`hybrid_cache.enable`).
         **kwargs: `HFLM` arguments (`tokenizer`, `batch_size`, `max_length`, ...).
@@ -56,10 +57,15 @@ class RingLM(HFLM):
         self, pretrained: Any = "default", ring_chunk_size: int = 512, cache_options: dict | None = None, **kwargs: Any
     ) -> None:
         if isinstance(pretrained, str) and pretrained == "default":
-            from .models import load_model
+            from .models import NO_HUB_KERNELS, default_checkpoint
 
-            pretrained, tokenizer = load_model()
-            kwargs.setdefault("tokenizer", tokenizer)
+            # A path, as lm-eval expects (`HFLM` loads it and its tokenizer itself; an already-loaded model makes it
+            # warn that its other arguments may be ignored), and transformers' own modules, as `load_model` loads.
+            pretrained = str(default_checkpoint())
+            for key, value in NO_HUB_KERNELS.items():
+                kwargs.setdefault(key, value)
+            # HFLM's default device is "cuda", which it does not check for a path: a CPU machine would fail.
+            kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
         super().__init__(pretrained=pretrained, **kwargs)
         self.ring_chunk_size = int(ring_chunk_size)
         if self.ring_chunk_size < 1:

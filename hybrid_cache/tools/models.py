@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import time
 from collections.abc import Iterator
@@ -46,7 +47,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 #: Bump when the layout of a converted checkpoint changes, so older conversions are rebuilt.
-_CONVERSION_FORMAT = 1
+_CONVERSION_FORMAT = 2  # 2: the embedded model's tokenizer built from the GGUF here, BOS first
 
 #: Names accepted by :func:`load_model` for the embedded Gemma 3 270M.
 DEFAULT_MODEL_NAMES = (None, "", "default", "gemma3-270m", "gemma-3-270m")
@@ -281,6 +282,239 @@ def _check_gemma3_270m_config(config: Any) -> list[str]:
     return fixes
 
 
+# GGUF value types (the GGUF specification, "GGUF" section of ggml's docs/gguf.md): struct formats of the scalars.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The key-value metadata of a GGUF file (not its tensors), read in about a second.
+
+    The `gguf` package's `GGUFReader` maps every array element to its own numpy view, which takes about a minute for
+    the 262144-entry vocabulary of Gemma 3; this reads the same header sequentially with `struct`.
+
+    Args:
+        path: a ``.gguf`` file (GGUF version 2 or 3: little-endian, 64-bit lengths).
+
+    Returns:
+        ``{key: value}``; strings as ``str``, arrays as lists.
+
+    Raises:
+        ValueError: the file is not a GGUF file, is truncated, or uses a value type the specification does not define.
+    """
+    with open(path, "rb") as fh:
+
+        def read(n: int) -> bytes:
+            data = fh.read(n)
+            if len(data) != n:
+                raise ValueError(f"{path}: truncated GGUF metadata")
+            return data
+
+        def unpack(fmt: str, count: int = 1) -> tuple[Any, ...]:
+            fmt = f"<{count}{fmt}"
+            return struct.unpack(fmt, read(struct.calcsize(fmt)))
+
+        def string() -> str:
+            return read(unpack("Q")[0]).decode("utf-8")
+
+        def value(kind: int) -> Any:
+            if kind == _GGUF_STRING:
+                return string()
+            if kind == _GGUF_ARRAY:
+                item, count = unpack("I")[0], unpack("Q")[0]
+                if item in _GGUF_SCALARS:
+                    return list(unpack(_GGUF_SCALARS[item], count))
+                return [value(item) for _ in range(count)]
+            if kind not in _GGUF_SCALARS:
+                raise ValueError(f"{path}: GGUF value type {kind} is not in the GGUF specification")
+            return unpack(_GGUF_SCALARS[kind])[0]
+
+        if read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+        version = unpack("I")[0]
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} (32-bit lengths) is not supported; convert it again")
+        _tensors, count = unpack("Q", 2)
+        return {string(): value(unpack("I")[0]) for _ in range(count)}
+
+
+#: llama.cpp's token types (`tokenizer.ggml.token_type`): control tokens (<bos>, <start_of_turn>, ...) and
+#: user-defined ones (runs of newlines, tabs, ...), both matched whole in the text.
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _sentencepiece_merges(tokens: list[str]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece-BPE vocabulary implies: every split of a token into two tokens of the vocabulary,
+    best first. Gemma's GGUF stores no merges, and its scores do not follow the merge order; the order of the tokens in
+    the file does (the earlier a token, the earlier its merge), as in SentencePiece's own model file."""
+    rank = {token: index for index, token in enumerate(tokens)}
+    merges = []
+    for token, index in rank.items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in rank and token[i:] in rank]
+        pairs.sort(key=lambda pair: (rank[pair[0]], rank[pair[1]]))
+        merges.extend((index, len(left), len(right), left, right) for left, right in pairs)
+    merges.sort(key=lambda merge: (merge[0], -merge[1], -merge[2]))  # stable: ties keep the order above
+    return [(left, right) for _, _, _, left, right in merges]
+
+
+def _write_gemma_tokenizer(metadata: dict[str, Any], directory: Path) -> None:
+    """Write Gemma's fast tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) from a GGUF's vocabulary.
+
+    transformers' own GGUF tokenizer is not the same on every release we support: 5.5-5.14 build a Unigram model
+    with every score 0 (which `save_pretrained` + `from_pretrained` turn into single characters), 5.18-5.24 the right
+    BPE but without BOS. This builds what Gemma's own ``tokenizer.json`` describes, with the `tokenizers` library
+    directly, so the result does not depend on the release: a BPE with byte fallback over the file's vocabulary
+    (runs of spaces respelled as the ``▁`` the normalizer produces), merges recovered from the token order, spaces
+    normalized to ``▁`` and no pre-tokenization, control tokens special and user-defined ones whole, and
+    ``<bos>`` first in every encoded text (``tokenizer.ggml.add_bos_token``).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    raw = metadata["tokenizer.ggml.tokens"]
+    types = metadata.get("tokenizer.ggml.token_type") or [1] * len(raw)
+    tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in raw]
+    special = {
+        name: raw[metadata[f"tokenizer.ggml.{key}"]]
+        for name, key in (
+            ("bos_token", "bos_token_id"),
+            ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"),
+        )
+        if f"tokenizer.ggml.{key}" in metadata
+    }
+    vocab = {token: index for index, token in enumerate(tokens)}
+    backend = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=_sentencepiece_merges(tokens),
+            unk_token=special.get("unk_token", "<unk>"),
+            fuse_unk=True,
+            byte_fallback=True,
+            dropout=None,
+        )
+    )
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")  # Gemma's: a no-op after ▁
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types) if kind == _CONTROL]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, kind in zip(raw, types)
+            if kind == _USER_DEFINED and t in vocab
+        ]
+    )
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True)) and "bos_token" in special
+    if add_bos:
+        bos = special["bos_token"]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, vocab[bos])]
+        )
+    backend.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "GemmaTokenizer",
+        **special,
+        "add_bos_token": add_bos,
+        "add_eos_token": bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+        "padding_side": "left",
+        "clean_up_tokenization_spaces": False,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _is_gemma_sentencepiece(metadata: dict[str, Any]) -> bool:
+    """Whether a GGUF's tokenizer is Gemma's SentencePiece BPE, which :func:`_write_gemma_tokenizer` builds."""
+    return metadata.get("general.architecture") in ("gemma", "gemma2", "gemma3") and (
+        metadata.get("tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in metadata
+    )
+
+
+#: A sentence with what the default text has (capitals, digits, punctuation, a curly quote, a dash, a newline, runs of
+#: spaces) and its ids with Gemma 3's tokenizer, BOS first: what transformers 5.24's own GGUF tokenizer gives after
+#: BOS, identical to it on the whole default text (84,231 tokens) and on Hamlet. Checked after every conversion of
+#: the embedded model and at every load of it.
+_PROBE_TEXT = "Shakespeare\u2019s plays, 1911 edition \u2014 e.g. Hamlet (c. 1600):\n  To be, or not to be."
+_EMBEDDED_PROBE_IDS: tuple[int, ...] = (
+    2,
+    157092,
+    236858,
+    236751,
+    10772,
+    236764,
+    236743,
+    236770,
+    236819,
+    236770,
+    236770,
+    12301,
+    2192,
+    545,
+    236761,
+    236759,
+    236761,
+    124600,
+    568,
+    236755,
+    236761,
+    236743,
+    236770,
+    236825,
+    236771,
+    236771,
+    1473,
+    107,
+    138,
+    2021,
+    577,
+    236764,
+    653,
+    711,
+    531,
+    577,
+    236761,
+)
+
+
+class UnsupportedTokenizerError(RuntimeError):
+    """The tokenizer a conversion produced does not tokenize as the model expects on this transformers release."""
+
+
+def _tokenizer_problem(tokenizer: Any, expected_ids: tuple[int, ...] | None, bos_id: int | None) -> str | None:
+    """What is wrong with `tokenizer` on :data:`_PROBE_TEXT` (None when nothing is): other ids than `expected_ids`,
+    no `bos_id` first, or a decoding that does not give the text back."""
+    if tokenizer is None:
+        return "no tokenizer was saved"
+    ids = list(tokenizer(_PROBE_TEXT).input_ids)
+    if expected_ids is not None and ids != list(expected_ids):
+        return f"{_PROBE_TEXT!r} gives {len(ids)} ids {ids[:12]}..., expected {len(expected_ids)} {list(expected_ids[:12])}..."
+    if bos_id is not None and ids[:1] != [bos_id]:
+        return f"no BOS (id {bos_id}) first: {ids[:4]}..."
+    decoded = tokenizer.decode(ids, skip_special_tokens=True)
+    if decoded != _PROBE_TEXT:
+        return f"{_PROBE_TEXT!r} decodes back to {decoded!r}"
+    return None
+
+
+def _refusal(gguf_path: Path, problem: str) -> str:
+    return (
+        f"transformers {_transformers_version()} cannot convert the tokenizer of {gguf_path.name} right: {problem}. "
+        "Install another transformers release (pip install 'transformers>=5.5,<6'; docs/perplexity.md lists those "
+        "tested) and run again."
+    )
+
+
+#: `from_pretrained` keyword arguments of every load here. From 5.25 transformers swaps Hub kernels into a model by
+#: default (`use_kernels=None` means True unless the environment variable USE_HUB_KERNELS says no), which needs the
+#: `kernels` package and fetches kernels from the Hub; the tools load offline, with transformers' own modules (the ones
+#: the cache's exactness is tested against). Every release of the supported range takes `use_kernels` (default False
+#: before 5.25).
+NO_HUB_KERNELS: dict[str, Any] = {"use_kernels": False}
+
+
 @contextlib.contextmanager
 def _gguf_bar_only_on_a_terminal() -> Iterator[None]:
     """transformers' GGUF reader shows a raw `tqdm` bar; redirected to a file or a pipe (CI, `| tee`) its carriage
@@ -299,16 +533,21 @@ def _gguf_bar_only_on_a_terminal() -> Iterator[None]:
 
 
 def _convert_gguf(gguf_path: Path, gguf_sha256: str, out_dir: Path, fix_default_config: bool = False) -> None:
-    """Load a GGUF with transformers (slow) and save it as a plain checkpoint in ``out_dir`` (atomically)."""
+    """Load a GGUF with transformers (slow) and save it as a plain checkpoint in ``out_dir`` (atomically), with a
+    tokenizer that is checked before the checkpoint is kept (:func:`_tokenizer_problem`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     logger.warning("converting %s to a transformers checkpoint in %s (one-off, ~1 min)", gguf_path, out_dir)
     with _gguf_bar_only_on_a_terminal():
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, **NO_HUB_KERNELS
         )
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    metadata = read_gguf_metadata(gguf_path)
+    own_tokenizer = _is_gemma_sentencepiece(metadata)
+    tokenizer = (
+        None if own_tokenizer else AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    )
     if not _make_serializable(model):
         raise RuntimeError(f"{gguf_path}: weights are kept quantized by transformers; cannot convert to a checkpoint")
     if fix_default_config:
@@ -319,7 +558,16 @@ def _convert_gguf(gguf_path: Path, gguf_sha256: str, out_dir: Path, fix_default_
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        if own_tokenizer:
+            _write_gemma_tokenizer(metadata, tmp)
+        else:
+            tokenizer.save_pretrained(tmp)
+        if own_tokenizer:  # what a later load reads, checked before the conversion is kept
+            bos = metadata.get("tokenizer.ggml.bos_token_id") if metadata.get("tokenizer.ggml.add_bos_token") else None
+            expected = _EMBEDDED_PROBE_IDS if fix_default_config else None
+            problem = _tokenizer_problem(AutoTokenizer.from_pretrained(str(tmp)), expected, bos)
+            if problem:
+                raise UnsupportedTokenizerError(_refusal(gguf_path, problem))
         # The manifest goes in last: its presence (with matching sizes) marks a complete conversion.
         (tmp / "manifest.json").write_text(json.dumps(_manifest_for(tmp, gguf_sha256), indent=2))
         tmp.chmod(0o755)  # mkdtemp makes it private; the final cache dir should be like any other
@@ -380,7 +628,7 @@ def _load_converted_gguf(
         if config is None:
             _check_model_accepts(_read_config(out_dir, fix_default_config, local_files_only=True), kwargs)
     try:
-        return _load_dir(out_dir, fix_default_config=fix_default_config, **kwargs)
+        model, tokenizer = _load_dir(out_dir, fix_default_config=fix_default_config, **kwargs)
     except Exception as exc:
         if kwargs != _DEFAULT_LOAD_KWARGS and _loads_with_defaults(out_dir, fix_default_config):
             raise  # the conversion is fine (it loads with the defaults): the caller's arguments are at fault
@@ -388,6 +636,37 @@ def _load_converted_gguf(
         logger.warning("cached conversion %s failed to load (%s); rebuilding it", out_dir, exc)
         _convert_gguf(gguf_path, gguf_sha256, out_dir, fix_default_config)
         return _load_dir(out_dir, fix_default_config=fix_default_config, **kwargs)
+    if fix_default_config and (problem := _tokenizer_problem(tokenizer, _EMBEDDED_PROBE_IDS, None)):
+        # The embedded model's tokenizer, checked at every load (a millisecond): a cached one that no longer
+        # tokenizes right (files edited, another release reading them otherwise) is rebuilt once, and checked again.
+        logger.warning("cached conversion %s has a wrong tokenizer (%s); rebuilding it", out_dir, problem)
+        _convert_gguf(gguf_path, gguf_sha256, out_dir, fix_default_config)
+        model, tokenizer = _load_dir(out_dir, fix_default_config=fix_default_config, **kwargs)
+        if problem := _tokenizer_problem(tokenizer, _EMBEDDED_PROBE_IDS, None):
+            raise UnsupportedTokenizerError(_refusal(gguf_path, problem))
+    return model, tokenizer
+
+
+def default_checkpoint() -> Path:
+    """The embedded Gemma 3 270M as a transformers checkpoint directory (converted once, as :func:`load_model` does):
+    for code that loads a model from a path itself, e.g. lm-eval's `HFLM` (model type `hf-ring`, `pretrained=default`).
+
+    Returns:
+        The directory (``config.json``, ``model.safetensors``, tokenizer files), its tokenizer checked.
+
+    Raises:
+        UnsupportedTokenizerError: the installed transformers cannot make the tokenizer right (one line naming it).
+    """
+    from transformers import AutoTokenizer
+
+    gguf_path, sha = default_gguf_path()
+    out_dir = cache_home() / "converted" / f"{gguf_path.stem}-{sha[:16]}"
+    with _quiet_loading():
+        if not _converted_is_valid(out_dir, sha):
+            _convert_gguf(gguf_path, sha, out_dir, fix_default_config=True)
+        elif _tokenizer_problem(AutoTokenizer.from_pretrained(str(out_dir)), _EMBEDDED_PROBE_IDS, None):
+            _convert_gguf(gguf_path, sha, out_dir, fix_default_config=True)  # checks the tokenizer itself
+    return out_dir
 
 
 def _loads_with_defaults(directory: Path, fix_default_config: bool) -> bool:
@@ -413,7 +692,7 @@ def _load_dir(
     config = _read_config(path, fix_default_config, **hub_kwargs)
     _check_model_accepts(config, {"dtype": dtype, "attn_implementation": attn_implementation})
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), config=config, dtype=dtype, attn_implementation=attn_implementation, **hub_kwargs
+        str(path), config=config, dtype=dtype, attn_implementation=attn_implementation, **NO_HUB_KERNELS, **hub_kwargs
     )
     local = Path(path)
     if local.is_dir() and not any((local / f).is_file() for f in _TOKENIZER_FILES):
@@ -548,4 +827,13 @@ def _load(name: str | None, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-__all__ = ["cache_home", "default_gguf_path", "load_model", "DEFAULT_MODEL_NAMES"]
+__all__ = [
+    "NO_HUB_KERNELS",
+    "cache_home",
+    "default_checkpoint",
+    "default_gguf_path",
+    "load_model",
+    "read_gguf_metadata",
+    "DEFAULT_MODEL_NAMES",
+    "UnsupportedTokenizerError",
+]

@@ -17,7 +17,7 @@ Caches (``--caches``):
 * ``static``: ``transformers.StaticCache(config=config, max_cache_len=tokens)``.
 * ``none``: one forward over the whole text with ``use_cache=False`` (the reference).
 
-The command line (``hybrid-cache-perplexity``, ``python -m hybrid_cache.perplexity``) is
+The command line (``hybrid-cache-perplexity``, ``python -m hybrid_cache.tools.cli.perplexity``) is
 `hybrid_cache.tools.cli.perplexity`.
 """
 
@@ -183,49 +183,16 @@ def evaluate_perplexity(
     Raises:
         ValueError: unknown cache, ``chunk_size < 1``, or fewer than ``chunk_size + 1`` tokens.
     """
-    if cache_name not in CACHE_NAMES:
-        raise ValueError(f"unknown cache {cache_name!r}; expected one of {', '.join(CACHE_NAMES)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
-    ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
-    if ids.shape[0] != 1:
-        raise ValueError(f"batch size must be 1, got input_ids of shape {tuple(input_ids.shape)}")
+    ids = _checked_ids(input_ids, cache_name, chunk_size).to(next(model.parameters()).device)
     n_tokens = ids.shape[1]
-    if n_tokens < chunk_size + 1:
-        raise ValueError(
-            f"the text has {n_tokens} tokens, fewer than one chunk + 1 ({chunk_size} + 1): "
-            "use a longer text or a smaller --chunk-size"
-        )
-    device = next(model.parameters()).device
-    ids = ids.to(device)
-    base = model.model
     cache = make_cache(cache_name, model, n_tokens)
-
-    nll = 0.0
-    trace: list[tuple[int, int]] = []
     start_time = time.perf_counter()
     if cache is None:
-        # One forward over the whole text: its layers are the only steps to show.
-        layers = text_config(model).num_hidden_layers
-        desc = f"{cache_name:>7} (one forward of {n_tokens} tokens)"
-        with Progress(layers, desc, "layers", enabled=progress, rate=False) as bar, layer_progress(model, bar):
-            hidden = base(input_ids=ids, use_cache=False).last_hidden_state[0]
-        nll = sliced_nll(model, hidden[:-1], ids[0, 1:], logits_slice)
-        trace.append((n_tokens, 0))
+        nll, trace = _no_cache_nll(model, ids, cache_name, logits_slice, progress)
         step = n_tokens
     else:
+        nll, trace = _streamed_nll(model, ids, cache, cache_name, chunk_size, logits_slice, progress)
         step = chunk_size
-        bar = Progress(n_tokens, f"{cache_name:>7}", "tok", enabled=progress)
-        for start in range(0, n_tokens, chunk_size):
-            chunk = ids[:, start : start + chunk_size]
-            hidden = base(input_ids=chunk, **cache_kwargs(cache), use_cache=True).last_hidden_state[0]
-            # Position p of this chunk predicts token start+p+1; the very last token of the text predicts nothing.
-            n_pred = min(chunk.shape[1], n_tokens - 1 - start)
-            if n_pred > 0:
-                nll += sliced_nll(model, hidden[:n_pred], ids[0, start + 1 : start + 1 + n_pred], logits_slice)
-            trace.append((start + chunk.shape[1], kv_bytes(cache)))
-            bar.update(chunk.shape[1])
-        bar.close()
     seconds = time.perf_counter() - start_time
     predicted = n_tokens - 1
     report = str(cache.memory_report()) if hasattr(cache, "memory_report") else None
@@ -242,6 +209,59 @@ def evaluate_perplexity(
         kv_trace=trace,
         memory_report=report,
     )
+
+
+def _checked_ids(input_ids: torch.Tensor, cache_name: str, chunk_size: int) -> torch.Tensor:
+    """`input_ids` as `[1, T]`, once the cache name, the chunk size and the length are checked."""
+    if cache_name not in CACHE_NAMES:
+        raise ValueError(f"unknown cache {cache_name!r}; expected one of {', '.join(CACHE_NAMES)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
+    ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
+    if ids.shape[0] != 1:
+        raise ValueError(f"batch size must be 1, got input_ids of shape {tuple(input_ids.shape)}")
+    n_tokens = ids.shape[1]
+    if n_tokens < chunk_size + 1:
+        raise ValueError(
+            f"the text has {n_tokens} tokens, fewer than one chunk + 1 ({chunk_size} + 1): "
+            "use a longer text or a smaller --chunk-size"
+        )
+    return ids
+
+
+def _no_cache_nll(
+    model: Any, ids: torch.Tensor, cache_name: str, logits_slice: int, progress: bool
+) -> tuple[float, list[tuple[int, int]]]:
+    """(summed NLL, K/V trace) of one forward over the whole text without a cache."""
+    n_tokens = ids.shape[1]
+    # One forward over the whole text: its layers are the only steps to show.
+    layers = text_config(model).num_hidden_layers
+    desc = f"{cache_name:>7} (one forward of {n_tokens} tokens)"
+    with Progress(layers, desc, "layers", enabled=progress, rate=False) as bar, layer_progress(model, bar):
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+    return sliced_nll(model, hidden[:-1], ids[0, 1:], logits_slice), [(n_tokens, 0)]
+
+
+def _streamed_nll(
+    model: Any, ids: torch.Tensor, cache: Any, cache_name: str, chunk_size: int, logits_slice: int, progress: bool
+) -> tuple[float, list[tuple[int, int]]]:
+    """(summed NLL, K/V bytes held after each chunk) of the text streamed through `cache` `chunk_size` tokens at a
+    time."""
+    n_tokens = ids.shape[1]
+    nll = 0.0
+    trace: list[tuple[int, int]] = []
+    bar = Progress(n_tokens, f"{cache_name:>7}", "tok", enabled=progress)
+    for start in range(0, n_tokens, chunk_size):
+        chunk = ids[:, start : start + chunk_size]
+        hidden = model.model(input_ids=chunk, **cache_kwargs(cache), use_cache=True).last_hidden_state[0]
+        # Position p of this chunk predicts token start+p+1; the very last token of the text predicts nothing.
+        n_pred = min(chunk.shape[1], n_tokens - 1 - start)
+        if n_pred > 0:
+            nll += sliced_nll(model, hidden[:n_pred], ids[0, start + 1 : start + 1 + n_pred], logits_slice)
+        trace.append((start + chunk.shape[1], kv_bytes(cache)))
+        bar.update(chunk.shape[1])
+    bar.close()
+    return nll, trace
 
 
 def _mib(n: int) -> str:

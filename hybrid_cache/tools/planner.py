@@ -5,12 +5,12 @@ parallelism, and the longest context that fits a memory budget.
     hybrid-cache-plan gemma-3-27b --context 131072 --tp 2 --budget 16GiB
     hybrid-cache-plan path/to/config.json --context 32768 --batch 8 --dtype float16 --fixed
 
-(``python -m hybrid_cache.planner`` is the same command; its code is `hybrid_cache.tools.cli.planner`.)
+(``python -m hybrid_cache.tools.cli.planner`` is the same command; its code is `hybrid_cache.tools.cli.planner`.)
 
 The numbers are what the caches report, not a formula of their own:
 
 - `HybridRingCache`: the cache is built from the config (with the same arguments) and each layer answers
-  `planned_nbytes(...)`, which uses the growth rule its `update` uses (`hybrid_cache.layers.grown_capacity`); tested
+  `planned_nbytes(...)`, which uses the growth rule its `update` uses (`hybrid_cache.storage.grown_capacity`); tested
   equal to `memory_report().kv_bytes` after `generate` (the report's `total_bytes` adds the fixed mode's 8-byte
   counters and, right after a speculative step, the window kept to undo it).
 - `DynamicCache` / `StaticCache`: built from the config; their layer classes decide the slots (tested equal to

@@ -9,7 +9,7 @@ interleaved, cold / warm-from-file / warm-from-checkpoint TTFT for a prefix of a
 ``question_tokens`` tokens as the question, plus file bytes against ``memory_report()`` and checkpoint bytes against a
 deep copy; see docs/prefix.md.
 
-The command line (``hybrid-cache-prefix``, ``python -m hybrid_cache.prefix``: ``build``, ``ask``, ``bench``) is
+The command line (``hybrid-cache-prefix``, ``python -m hybrid_cache.tools.cli.prefix``: ``build``, ``ask``, ``bench``) is
 `hybrid_cache.tools.cli.prefix`.
 """
 
@@ -168,12 +168,7 @@ def run_bench(
     path = workdir / "prefix.safetensors"
     loadavg_start = loadavg()
 
-    started = time.perf_counter()
-    cache = build_prefix(model, prefix)
-    build_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    cache.save(path)
-    save_seconds = time.perf_counter() - started
+    cache, build_seconds, save_seconds = _build_and_save(model, prefix, path)
     report = cache.memory_report()
     checkpoint = cache.checkpoint()
     deep_copy_bytes = copy.deepcopy(cache).memory_report().total_bytes
@@ -183,31 +178,15 @@ def run_bench(
         "warm_file": lambda: HybridRingCache.load(path, model.config),
         "warm_checkpoint": lambda: (cache.restore(checkpoint), cache)[1],
     }
-    times: dict[str, list[float]] = {name: [] for name in makers}
-    first_tokens: dict[str, list[int]] = {name: [] for name in makers}
-    order = list(makers)
-    for repeat in range(-warmup, repeats):  # negative: warm-up rounds (first calls allocate), not recorded
-        for name in order if repeat % 2 == 0 else order[::-1]:  # interleaved, alternating order
-            seconds, output = time_to_first_token(model, input_ids, makers[name])
-            print(
-                f"  {'warm-up' if repeat < 0 else f'repeat {repeat}'}: {name:<16} {seconds * 1000:9.1f} ms", flush=True
-            )
-            first_tokens[name].append(int(output[0, -1]))
-            if repeat >= 0:
-                times[name].append(seconds)
-    loaded = HybridRingCache.load(path, model.config)
-    started = time.perf_counter()
-    HybridRingCache.load(path, model.config)
-    load_seconds = time.perf_counter() - started
-    cold_logits = prefill(model, HybridRingCache(model.config), input_ids)
-    warm_logits = prefill(model, loaded, input_ids[:, prefix_tokens:])
+    times, first_tokens = _interleaved_ttft(model, input_ids, makers, repeats, warmup)
+    load_seconds, warm_vs_cold = _load_and_compare(model, path, input_ids, prefix_tokens)
     summary = {
         name: {"median_ms": 1000 * statistics.median(v), "min_ms": 1000 * min(v), "all_ms": [1000 * t for t in v]}
         for name, v in times.items()
     }
     file_bytes = path.stat().st_size
     return {
-        "command": " ".join(["python -m hybrid_cache.prefix", *sys.argv[1:]]) if sys.argv else None,
+        "command": " ".join(["python -m hybrid_cache.tools.cli.prefix", *sys.argv[1:]]) if sys.argv else None,
         "text": description,
         "prefix_tokens": prefix_tokens,
         "question_tokens": question_tokens,
@@ -225,7 +204,7 @@ def run_bench(
         "warm_over_cold_per_round": [w / c for w, c in zip(times["warm_file"], times["cold"])],
         "checkpoint_over_cold_median": summary["warm_checkpoint"]["median_ms"] / summary["cold"]["median_ms"],
         "same_first_token": len({t for v in first_tokens.values() for t in v}) == 1,
-        "max_abs_logit_difference_warm_vs_cold": float((cold_logits - warm_logits).abs().max()),
+        "max_abs_logit_difference_warm_vs_cold": warm_vs_cold,
         "prefix_build_s": build_seconds,
         "save_s": save_seconds,
         "load_s": load_seconds,
@@ -237,6 +216,48 @@ def run_bench(
         "deep_copy_bytes": deep_copy_bytes,
         "checkpoint_over_deep_copy": checkpoint.nbytes() / deep_copy_bytes,
     }
+
+
+def _build_and_save(model: Any, prefix: torch.Tensor, path: Path) -> tuple[HybridRingCache, float, float]:
+    """The prefix cache, built and saved to `path`: (cache, seconds to build, seconds to save)."""
+    started = time.perf_counter()
+    cache = build_prefix(model, prefix)
+    build_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    cache.save(path)
+    return cache, build_seconds, time.perf_counter() - started
+
+
+def _interleaved_ttft(
+    model: Any, input_ids: torch.Tensor, makers: dict[str, Callable[[], HybridRingCache]], repeats: int, warmup: int
+) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """Time to first token with every cache maker, rounds interleaved in alternating order, after `warmup` unrecorded
+    rounds (first calls allocate). Returns (seconds per maker, first new token of every round per maker)."""
+    times: dict[str, list[float]] = {name: [] for name in makers}
+    first_tokens: dict[str, list[int]] = {name: [] for name in makers}
+    order = list(makers)
+    for repeat in range(-warmup, repeats):  # negative: warm-up rounds (first calls allocate), not recorded
+        for name in order if repeat % 2 == 0 else order[::-1]:  # interleaved, alternating order
+            seconds, output = time_to_first_token(model, input_ids, makers[name])
+            print(
+                f"  {'warm-up' if repeat < 0 else f'repeat {repeat}'}: {name:<16} {seconds * 1000:9.1f} ms", flush=True
+            )
+            first_tokens[name].append(int(output[0, -1]))
+            if repeat >= 0:
+                times[name].append(seconds)
+    return times, first_tokens
+
+
+def _load_and_compare(model: Any, path: Path, input_ids: torch.Tensor, prefix_tokens: int) -> tuple[float, float]:
+    """(seconds of one `HybridRingCache.load` of the saved prefix, max |logit difference| of the question's prefill
+    after the loaded prefix against a cold prefill of the whole prompt)."""
+    loaded = HybridRingCache.load(path, model.config)
+    started = time.perf_counter()
+    HybridRingCache.load(path, model.config)
+    load_seconds = time.perf_counter() - started
+    cold_logits = prefill(model, HybridRingCache(model.config), input_ids)
+    warm_logits = prefill(model, loaded, input_ids[:, prefix_tokens:])
+    return load_seconds, float((cold_logits - warm_logits).abs().max())
 
 
 def format_bench(result: dict[str, Any]) -> str:

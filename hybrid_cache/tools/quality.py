@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -74,66 +75,86 @@ def evaluate_against_reference(
     caches = {name: make_cache(name, model, n_tokens) for name in names}
     if any(cache is None for cache in caches.values()):
         raise ValueError("'none' cannot take part in a lockstep comparison; compare cached runs only")
-    nll = dict.fromkeys(names, 0.0)
-    seconds = dict.fromkeys(names, 0.0)
-    agree = dict.fromkeys(names, 0)
-    kl_parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-    traces: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
+    tallies = {name: _Tally() for name in names}
     bar = tqdm(total=n_tokens, desc="lockstep", unit="tok", disable=not progress, leave=False)
     for start in range(0, n_tokens, chunk_size):
         chunk = ids[:, start : start + chunk_size]
-        hidden = {}
-        for name in names:
-            began = time.perf_counter()
-            hidden[name] = model.model(
-                input_ids=chunk, **cache_kwargs(caches[name]), use_cache=True
-            ).last_hidden_state[0]
-            seconds[name] += time.perf_counter() - began
-            traces[name].append((start + chunk.shape[1], kv_bytes_held(caches[name])))
+        hidden = _forward_chunk(model, chunk, caches, tallies, start)
         n_pred = min(chunk.shape[1], n_tokens - 1 - start)
         for s in range(0, n_pred, logits_slice):
             stop = min(s + logits_slice, n_pred)
             targets = ids[0, start + 1 + s : start + 1 + stop]
-            began = time.perf_counter()
-            reference_logp = _log_probs(model, hidden[reference][s:stop])
-            reference_p = reference_logp.exp()
-            reference_top = reference_logp.argmax(-1)
-            seconds[reference] += time.perf_counter() - began
-            for name in names:
-                began = time.perf_counter()
-                logp = reference_logp if name == reference else _log_probs(model, hidden[name][s:stop])
-                nll[name] -= logp.gather(-1, targets[:, None]).double().sum().item()
-                kl = (reference_p * (reference_logp - logp)).sum(-1).clamp(min=0)  # rounding can give -1e-9
-                kl_parts[name].append(kl.double().cpu())
-                agree[name] += int((logp.argmax(-1) == reference_top).sum())
-                seconds[name] += time.perf_counter() - began
+            _score_slice(model, {name: h[s:stop] for name, h in hidden.items()}, targets, reference, tallies)
         bar.update(chunk.shape[1])
     bar.close()
+    return [_result(name, tallies[name], caches[name], reference, n_tokens, chunk_size) for name in names]
+
+
+@dataclass
+class _Tally:
+    """What one cache's lockstep run has summed so far."""
+
+    nll: float = 0.0
+    seconds: float = 0.0  # its own forwards and losses
+    agree: int = 0  # positions whose argmax is the reference's
+    kl_parts: list[torch.Tensor] = field(default_factory=list)  # KL per position, slice by slice
+    trace: list[tuple[int, int]] = field(default_factory=list)  # (tokens seen, K/V bytes held) after each chunk
+
+
+def _forward_chunk(
+    model: Any, chunk: torch.Tensor, caches: dict[str, Any], tallies: dict[str, _Tally], start: int
+) -> dict[str, torch.Tensor]:
+    """`chunk` through every cache (base model only): each one's `[chunk, hidden]` final hidden states."""
+    hidden = {}
+    for name, cache in caches.items():
+        began = time.perf_counter()
+        hidden[name] = model.model(input_ids=chunk, **cache_kwargs(cache), use_cache=True).last_hidden_state[0]
+        tallies[name].seconds += time.perf_counter() - began
+        tallies[name].trace.append((start + chunk.shape[1], kv_bytes_held(cache)))
+    return hidden
+
+
+def _score_slice(
+    model: Any, hidden: dict[str, torch.Tensor], targets: torch.Tensor, reference: str, tallies: dict[str, _Tally]
+) -> None:
+    """The NLL of `targets`, the KL against the reference and the top-1 agreement of one slice of positions."""
+    began = time.perf_counter()
+    reference_logp = _log_probs(model, hidden[reference])
+    reference_p = reference_logp.exp()
+    reference_top = reference_logp.argmax(-1)
+    tallies[reference].seconds += time.perf_counter() - began
+    for name, tally in tallies.items():
+        began = time.perf_counter()
+        logp = reference_logp if name == reference else _log_probs(model, hidden[name])
+        tally.nll -= logp.gather(-1, targets[:, None]).double().sum().item()
+        kl = (reference_p * (reference_logp - logp)).sum(-1).clamp(min=0)  # rounding can give -1e-9
+        tally.kl_parts.append(kl.double().cpu())
+        tally.agree += int((logp.argmax(-1) == reference_top).sum())
+        tally.seconds += time.perf_counter() - began
+
+
+def _result(name: str, tally: _Tally, cache: Any, reference: str, n_tokens: int, chunk_size: int) -> PerplexityResult:
+    """One cache's `PerplexityResult` of the lockstep run."""
     predicted = n_tokens - 1
-    results = []
-    for name in names:
-        kl = torch.cat(kl_parts[name])
-        report = caches[name].memory_report() if hasattr(caches[name], "memory_report") else None
-        results.append(
-            PerplexityResult(
-                cache=name,
-                ppl=math.exp(nll[name] / predicted),
-                nll=nll[name],
-                predicted=predicted,
-                tokens=n_tokens,
-                chunk_size=chunk_size,
-                seconds=seconds[name],
-                kv_bytes=traces[name][-1][1],
-                peak_rss_bytes=peak_rss_bytes(),
-                kv_trace=traces[name],
-                memory_report=None if report is None else str(report),
-                reference=reference,
-                kl_mean=float(kl.mean()),
-                kl_p99=float(torch.quantile(kl, 0.99)),
-                top1_agreement=agree[name] / predicted,
-            )
-        )
-    return results
+    kl = torch.cat(tally.kl_parts)
+    report = cache.memory_report() if hasattr(cache, "memory_report") else None
+    return PerplexityResult(
+        cache=name,
+        ppl=math.exp(tally.nll / predicted),
+        nll=tally.nll,
+        predicted=predicted,
+        tokens=n_tokens,
+        chunk_size=chunk_size,
+        seconds=tally.seconds,
+        kv_bytes=tally.trace[-1][1],
+        peak_rss_bytes=peak_rss_bytes(),
+        kv_trace=tally.trace,
+        memory_report=None if report is None else str(report),
+        reference=reference,
+        kl_mean=float(kl.mean()),
+        kl_p99=float(torch.quantile(kl, 0.99)),
+        top1_agreement=tally.agree / predicted,
+    )
 
 
 def plot_quality(results: Sequence[PerplexityResult], path: str, title: str = "") -> None:

@@ -1,11 +1,16 @@
 """`evaluate` metric module: streaming long-text perplexity with `HybridRingCache` (load it from this folder).
 
 ```python
->>> import evaluate, hybrid_cache
->>> metric = evaluate.load(hybrid_cache.RING_PERPLEXITY_METRIC)  # a local folder: works offline
->>> metric.compute(predictions=[long_text], model=model, tokenizer=tokenizer, chunk_size=512)
+>>> import evaluate
+>>> import hybrid_cache.tools
+>>> from hybrid_cache.tools.models import load_model
+>>> model, tokenizer = load_model()  # the embedded Gemma 3 270M
+>>> metric = evaluate.load(hybrid_cache.tools.RING_PERPLEXITY_METRIC)  # a local folder: works offline
+>>> metric.compute(predictions=["A text of any length ..."], model=model, tokenizer=tokenizer, chunk_size=512)
 {'perplexities': [...], 'mean_perplexity': ...}
 ```
+
+(docs/evaluation.md has the same as a script that runs as written.)
 
 Unlike `evaluate`'s own `perplexity` (loaded from the Hub, and truncating each text to the model's `max_length`
 in one forward), every text is scored whole: streamed through one ring in `chunk_size`-token forwards, the memory of

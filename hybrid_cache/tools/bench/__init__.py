@@ -1,6 +1,6 @@
 """Benchmarks of `HybridRingCache` against transformers' `DynamicCache` and `StaticCache`.
 
-Run ``python -m hybrid_cache.bench --help`` (or the ``hybrid-cache-bench`` console script). See
+Run ``python -m hybrid_cache.tools.cli.bench --help`` (or the ``hybrid-cache-bench`` console script). See
 ``docs/benchmarks.md`` for the exact commands, the meaning of every column and measured results.
 
 What is measured (modules of this package):
@@ -25,59 +25,3 @@ What is measured (modules of this package):
 
 Every cache name in `hybrid_cache.tools.compare.CACHE_NAMES` can be benchmarked (``--caches``).
 """
-
-from __future__ import annotations
-
-from ..compare import CACHE_NAMES, make_cache
-from .compiled import COMPILEABLE_CACHES, CompileOptions
-from .decode import BenchResult, run_benchmark
-from .instrument import CacheOpTimer, count_update_copy_bytes
-from .machine import Contention, ContentionMeter, RssSampler, busy_machine_warning, machine_info, measure_bandwidth
-from .prefill import PrefillResult, prefill_chunk_check, run_prefill_benchmark
-from .profiling import profile_decode, profile_prefill
-from .report import format_compiled_table, format_memory_table, format_prefill_table, format_table, plot_results
-from .workload import (
-    DTYPES,
-    TINY_MODELS,
-    build_tiny_model,
-    exact_kv_bytes,
-    live_kv_bytes,
-    load_bench_model,
-    random_prefill,
-    synthesize_prefill,
-)
-
-__all__ = [
-    "CACHE_NAMES",
-    "COMPILEABLE_CACHES",
-    "DTYPES",
-    "TINY_MODELS",
-    "BenchResult",
-    "CacheOpTimer",
-    "CompileOptions",
-    "Contention",
-    "ContentionMeter",
-    "PrefillResult",
-    "RssSampler",
-    "build_tiny_model",
-    "busy_machine_warning",
-    "count_update_copy_bytes",
-    "exact_kv_bytes",
-    "format_compiled_table",
-    "format_memory_table",
-    "format_prefill_table",
-    "format_table",
-    "live_kv_bytes",
-    "load_bench_model",
-    "machine_info",
-    "make_cache",
-    "measure_bandwidth",
-    "plot_results",
-    "prefill_chunk_check",
-    "profile_decode",
-    "profile_prefill",
-    "random_prefill",
-    "run_benchmark",
-    "run_prefill_benchmark",
-    "synthesize_prefill",
-]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,33 +190,81 @@ def compiled_decode_once(
     held at the end, copy bytes of one step, copy bytes by op)."""
     max_cache_len = context + warmup + steps + 16
     seed = context * 31 + batch
-    outside = compiled.mask == "outside"
-
-    def call(forward, cache, inputs):
-        if outside:
-            return forward(
-                **inputs, attention_mask=_outside_masks(model, cache, inputs), **cache_kwargs(cache), use_cache=True
-            )
-        return forward(**inputs, **cache_kwargs(cache), use_cache=True)
-
     check_steps = min(warmup, compiled.check_steps) if first_rep else 0
     eager_logits: list[torch.Tensor] = []
     if check_steps:
-        reference = make_cache(compiled.cache, model, max_cache_len, compileable=True)
-        synthesize_prefill(reference, source)
-        generator = torch.Generator().manual_seed(seed)
-        with torch.inference_mode():
-            for i in range(check_steps):
-                out = call(model.forward, reference, step_inputs(batch, context + i, vocab, generator, device))
-                eager_logits.append(out.logits[:, -1:].detach().clone())
-        del reference, out
-        gc.collect()
-
-    generator = torch.Generator().manual_seed(seed)
+        draw_reference = _seeded_inputs(batch, vocab, seed, device)
+        eager_logits = _eager_logits(model, compiled, source, max_cache_len, draw_reference, context, check_steps)
+    draw = _seeded_inputs(batch, vocab, seed, device)
     cache = make_cache(compiled.cache, model, max_cache_len, compileable=True)
     synthesize_prefill(cache, source)
+    position, compiled_logits = _warm_up(model, compiled, cache, draw, context, warmup, check_steps, device)
+    if check_steps:
+        compiled.check = _compare_logits(eager_logits, compiled_logits)
+    copy_bytes, by_op = 0, {}
+    if first_rep:
+        copy_bytes, by_op = _count_copies(model, compiled, cache, draw(position))
+        position += 1
+    step_ms, mask_ms = _timed_steps(model, compiled, cache, draw, position, steps, device)
+    held = (int(cache.get_seq_length()), kv_bytes_held(cache))  # (tokens, K/V bytes) at the end
+    del cache
+    gc.collect()
+    return step_ms, mask_ms, held, copy_bytes, by_op
+
+
+def _seeded_inputs(
+    batch: int, vocab: int, seed: int, device: torch.device | str
+) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Step inputs at a position, drawn in order from one generator seeded with `seed` (same seed: same tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    return lambda position: step_inputs(batch, position, vocab, generator, device)
+
+
+def _call(model: Any, compiled: _Compiled, forward: Any, cache: Any, inputs: dict[str, torch.Tensor]) -> Any:
+    """One decode step through `forward`; with the "outside" mask mode, the masks built first as ``generate`` does."""
+    if compiled.mask == "outside":
+        return forward(
+            **inputs, attention_mask=_outside_masks(model, cache, inputs), **cache_kwargs(cache), use_cache=True
+        )
+    return forward(**inputs, **cache_kwargs(cache), use_cache=True)
+
+
+def _eager_logits(
+    model: Any,
+    compiled: _Compiled,
+    source: PrefillSource,
+    max_cache_len: int,
+    draw: Callable[[int], dict[str, torch.Tensor]],
+    context: int,
+    check_steps: int,
+) -> list[torch.Tensor]:
+    """The last-position logits of `check_steps` eager steps through a fresh cache of the compiled one's type."""
+    reference = make_cache(compiled.cache, model, max_cache_len, compileable=True)
+    synthesize_prefill(reference, source)
+    logits = []
+    with torch.inference_mode():
+        for i in range(check_steps):
+            out = _call(model, compiled, model.forward, reference, draw(context + i))
+            logits.append(out.logits[:, -1:].detach().clone())
+    del reference, out
+    gc.collect()
+    return logits
+
+
+def _warm_up(
+    model: Any,
+    compiled: _Compiled,
+    cache: Any,
+    draw: Callable[[int], dict[str, torch.Tensor]],
+    context: int,
+    warmup: int,
+    check_steps: int,
+    device: torch.device | str,
+) -> tuple[int, list[torch.Tensor]]:
+    """The untimed compiled steps: `warmup`, then up to 8 more while a step still compiles (compile time recorded
+    in `compiled`). Returns the next position and the logits of the first `check_steps` steps."""
     position = context
-    compiled_logits: list[torch.Tensor] = []
+    logits: list[torch.Tensor] = []
     with torch.inference_mode():
         extra = i = 0
         compiled_did_compile = False
@@ -225,7 +274,7 @@ def compiled_decode_once(
             graphs_before = compiled.counter.frame_count
             sync(device)
             start = time.perf_counter()
-            out = call(compiled.forward, cache, step_inputs(batch, position, vocab, generator, device))
+            out = _call(model, compiled, compiled.forward, cache, draw(position))
             sync(device)
             elapsed = time.perf_counter() - start
             compiled_did_compile = compiled.counter.frame_count > graphs_before
@@ -234,26 +283,41 @@ def compiled_decode_once(
                 if compiled.compile_seconds is None:
                     compiled.compile_seconds = elapsed
             if i < check_steps:
-                compiled_logits.append(out.logits[:, -1:].detach().clone())
+                logits.append(out.logits[:, -1:].detach().clone())
             position += 1
             i += 1
         del out
-    if check_steps:
-        compiled.check = _compare_logits(eager_logits, compiled_logits)
-    copy_bytes, by_op = 0, {}
-    if first_rep:  # an eager step through the same cache: the bytes its `update` writes (the graph runs the same ops)
-        inputs = step_inputs(batch, position, vocab, generator, device)
-        with torch.inference_mode():
-            mask = _outside_masks(model, cache, inputs) if outside else None
-        copy_bytes, by_op = count_update_copy_bytes(
-            model, cache, dict(inputs, **({"attention_mask": mask} if outside else {}))
-        )
-        position += 1
+    return position, logits
+
+
+def _count_copies(
+    model: Any, compiled: _Compiled, cache: Any, inputs: dict[str, torch.Tensor]
+) -> tuple[int, dict[str, int]]:
+    """An eager step through the same cache: the bytes its `update` writes (the graph runs the same ops)."""
+    if compiled.mask != "outside":
+        return count_update_copy_bytes(model, cache, dict(inputs))
+    with torch.inference_mode():
+        mask = _outside_masks(model, cache, inputs)
+    return count_update_copy_bytes(model, cache, dict(inputs, attention_mask=mask))
+
+
+def _timed_steps(
+    model: Any,
+    compiled: _Compiled,
+    cache: Any,
+    draw: Callable[[int], dict[str, torch.Tensor]],
+    position: int,
+    steps: int,
+    device: torch.device | str,
+) -> tuple[list[float], list[float]]:
+    """`steps` timed compiled steps from `position`: (step ms, mask ms); the "outside" masks are built inside the
+    clock, as ``generate`` builds them each step. A graph compiled meanwhile marks `compiled`."""
+    outside = compiled.mask == "outside"
     step_ms, mask_ms = [], []
     graphs_before = compiled.counter.frame_count
     with torch.inference_mode():
         for _ in range(steps):
-            inputs = step_inputs(batch, position, vocab, generator, device)
+            inputs = draw(position)
             sync(device)
             start = time.perf_counter()
             if outside:
@@ -270,7 +334,4 @@ def compiled_decode_once(
             position += 1
     if compiled.counter.frame_count > graphs_before:
         compiled.recompiled_during_timing = True
-    held = (int(cache.get_seq_length()), kv_bytes_held(cache))  # (tokens, K/V bytes) at the end
-    del cache
-    gc.collect()
-    return step_ms, mask_ms, held, copy_bytes, by_op
+    return step_ms, mask_ms

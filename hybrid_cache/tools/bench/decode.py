@@ -15,7 +15,7 @@ import torch
 from hybrid_cache import cache_kwargs
 from hybrid_cache.specs import declared_window
 
-from ..compare import QUANTIZED_CACHES, kv_bytes_held, make_cache, text_config
+from ..compare import RING_CACHE_OPTIONS, kv_bytes_held, make_cache, text_config
 from .compiled import COMPILEABLE_CACHES, CompileOptions, compiled_decode_once, new_compiled
 from .instrument import CacheOpTimer, count_update_copy_bytes
 from .machine import Contention, ContentionMeter, sync
@@ -196,9 +196,51 @@ def _interleaved_decode(
 def _must_read(cache_name: str, exact_must_read: int, weights: int, held: int) -> int:
     """Bytes a decode step must read: the weights and the live K/V in the model dtype, or for compressed caches
     (``ring-int*``, ``ring-fp8``) the weights and the K/V bytes they hold (codes, scales, exact sliding rings)."""
-    if cache_name in QUANTIZED_CACHES:
+    if RING_CACHE_OPTIONS.get(cache_name, {}).get("full_layer_quantization"):
         return min(exact_must_read, weights + held)
     return exact_must_read
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every (context, batch) of one `run_benchmark` call shares."""
+
+    model: Any
+    model_name: str
+    dtype: torch.dtype
+    steps: int
+    warmup: int
+    reps: int
+    bandwidth_gbps: float
+    log: Callable[[str], None]
+    device: torch.device | str
+    compile_options: CompileOptions | None
+    meter: ContentionMeter
+    window: int | None  # the model's sliding window (`declared_window`)
+    vocab: int
+    weights: int  # parameter bytes
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).replace("torch.", "")
+
+
+@dataclass
+class _Measured:
+    """What the repetitions of one variant (a cache, eager or compiled) measured at one (context, batch)."""
+
+    step_ms: list[float] = field(default_factory=list)
+    update_ms: list[float] = field(default_factory=list)  # eager only
+    mask_ms: list[float] = field(default_factory=list)
+    kv_trace: list[tuple[int, int]] = field(default_factory=list)  # the first repetition's
+    copy_bytes: int = 0  # the first repetition's
+    copy_bytes_by_op: dict[str, int] = field(default_factory=dict)
+    peak: int | None = None
+    load: Contention = field(default_factory=Contention)
+
+    def keep_first(self, kv_trace: list[tuple[int, int]], copy_bytes: int, by_op: dict[str, int]) -> None:
+        """Keep what the first repetition measured of the K/V held and of the bytes copied."""
+        self.kv_trace, self.copy_bytes, self.copy_bytes_by_op = kv_trace, copy_bytes, by_op
 
 
 def run_benchmark(
@@ -226,132 +268,182 @@ def run_benchmark(
     ``torch._dynamo.reset()``); `include_eager` adds the eager rows of `caches` in the same interleaved reps.
     `meter` (default: one for torch's threads) records the load during each row's runs.
     """
-    meter = meter or ContentionMeter()
-    dtype_name = str(dtype).replace("torch.", "")
     config = text_config(model)
-    vocab = config.vocab_size
-    weights = parameter_bytes(model)
-    device_name = str(torch.device(device))
+    setup = _Setup(
+        model=model,
+        model_name=model_name,
+        dtype=dtype,
+        steps=steps,
+        warmup=warmup,
+        reps=reps,
+        bandwidth_gbps=bandwidth_gbps,
+        log=log,
+        device=device,
+        compile_options=compile_options,
+        meter=meter or ContentionMeter(),
+        window=declared_window(config),
+        vocab=config.vocab_size,
+        weights=parameter_bytes(model),
+    )
     eager_caches = list(caches) if (compile_options is None or include_eager) else []
-    compiled_specs: list[tuple[str, str]] = []
-    if compile_options is not None:
-        skipped = [c for c in caches if c not in COMPILEABLE_CACHES]
-        if skipped:
-            log(f"  --compile: skipping {', '.join(skipped)} (not compileable: it grows, shapes change every step)")
-        if warmup < 1:
-            raise ValueError("--compile needs --warmup >= 1 (the first warm-up step compiles)")
-        compiled_specs = [(c, m) for m in compile_options.masks for c in caches if c in COMPILEABLE_CACHES]
+    compiled_specs = _compiled_specs(caches, warmup, compile_options, log)
     results = []
     for context in contexts:
         for batch in batches:
-            source = random_prefill(model, batch, context, dtype)
-            variants: list[tuple[str, Any]] = [(c, None) for c in eager_caches]
-            if compiled_specs:
-                torch._dynamo.reset()  # every (context, batch) compiles afresh: graphs are counted per cache
-                variants += [(name, new_compiled(model, name, mask, compile_options)) for name, mask in compiled_specs]
-            runs: dict[int, dict[str, list]] = {
-                i: {"step": [], "update": [], "mask": []} for i in range(len(variants))
-            }
-            extra: dict[int, tuple[list[tuple[int, int]], int, dict[str, int]]] = {}
-            peaks: dict[int, int | None] = {}
-            load = {i: Contention() for i in range(len(variants))}
-            eager = [(index, name) for index, (name, compiled) in enumerate(variants) if compiled is None]
-            workload = (batch, context, steps, warmup, source, vocab)  # what every eager and compiled run decodes
-            for rep in range(reps):
-                _reset_peak(device)  # eager caches share the rep: their peak is the rep's
-                built = [
-                    (index, _DecodeSession(model, name, *workload, count_copies=(rep == 0), device=device))
-                    for index, name in eager
-                ]
-                for index, run in _interleaved_decode(built, steps, meter, load).items():
-                    runs[index]["step"] += run.step_ms
-                    runs[index]["mask"] += run.mask_ms
-                    runs[index]["update"] += run.update_ms
-                    peaks[index] = _max_peak(peaks.get(index), _peak(device))
-                    if rep == 0:
-                        extra[index] = (run.kv_trace, run.copy_bytes, run.copy_bytes_by_op)
-                for index, (_, compiled) in enumerate(variants):
-                    if compiled is None:
-                        continue
-                    _reset_peak(device)
-                    with meter.track(load[index]):
-                        step_ms, mask_ms, held, copies, by_op = compiled_decode_once(
-                            model, compiled, *workload, first_rep=(rep == 0), device=device
-                        )
-                    runs[index]["step"] += step_ms
-                    runs[index]["mask"] += mask_ms
-                    peaks[index] = _max_peak(peaks.get(index), _peak(device))
-                    if rep == 0:
-                        extra[index] = ([held], copies, by_op)
-            del source
-            gc.collect()
-            must_read = weights + live_kv_bytes(model, batch, context + warmup + 1 + steps // 2, dtype)
-            for index, (cache_name, compiled) in enumerate(variants):
-                r = runs[index]
-                median = statistics.median(r["step"])
-                trace, copies, by_op = extra[index]
-                held = trace[-1][1]
-                ratios = [b / exact_kv_bytes(model, batch, t, dtype) for t, b in trace if t]
-                if compiled is None:
-                    cache_ms = [u + m for u, m in zip(r["update"], r["mask"])]
-                    cache_med = statistics.median(cache_ms)
-                    update_med, mask_med = statistics.median(r["update"]), statistics.median(r["mask"])
-                    compile_fields: dict[str, Any] = {}
-                else:
-                    cache_med = update_med = None  # inside the graph: not separable
-                    mask_med = statistics.median(r["mask"]) if r["mask"] else None
-                    compile_fields = compiled.result_fields(compile_options)
-                result = BenchResult(
-                    cache=cache_name,
-                    context=context,
-                    batch=batch,
-                    dtype=dtype_name,
-                    model=model_name,
-                    window=declared_window(config),
-                    steps=steps,
-                    reps=reps,
-                    ms_per_token_median=median,
-                    ms_per_token_min=min(r["step"]),
-                    cache_ms_per_step_median=cache_med,
-                    update_ms_per_step_median=update_med,
-                    mask_ms_per_step_median=mask_med,
-                    kv_bytes=held,
-                    copy_bytes_per_step=copies,
-                    copy_bytes_by_op=by_op,
-                    bytes_must_read_per_step=must_read,
-                    roofline_pct_of_bandwidth=100.0
-                    * (_must_read(cache_name, must_read, weights, held) / (median / 1e3))
-                    / (bandwidth_gbps * 1e9),
-                    tokens_per_s=1e3 * batch / median,
-                    step_times_ms=[round(t, 3) for t in r["step"]],
-                    device=device_name,
-                    peak_memory_bytes=peaks.get(index),
-                    kv_trace=trace,
-                    kv_bytes_peak=max(b for _, b in trace),
-                    kv_bytes_exact=exact_kv_bytes(model, batch, trace[-1][0], dtype),
-                    kv_ratio_to_exact_max=max(ratios) if ratios else None,
-                    other_cpu_cores=load[index].other_cores,
-                    loadavg_max=load[index].loadavg_max,
-                    competing_load=meter.competing(load[index]),
-                    **compile_fields,
-                )
-                results.append(result)
-                busy = "  [!] other work competed for the CPUs" if result.competing_load else ""
-                if compiled is None:
-                    log(
-                        f"  {dtype_name:>8} ctx={context:>6} B={batch:>2} {cache_name:>9}: "
-                        f"{median:8.2f} ms/tok (min {result.ms_per_token_min:.2f}), cache {cache_med:.3f} "
-                        f"ms/step, KV {held / 2**20:.1f} MiB (max {result.kv_ratio_to_exact_max:.3f}x exact), "
-                        f"copies {copies / 2**20:.3f} MiB/step, roofline {result.roofline_pct_of_bandwidth:.0f}%, "
-                        f"load {result.loadavg_max}{busy}"
-                    )
-                else:
-                    log(
-                        f"  {dtype_name:>8} ctx={context:>6} B={batch:>2} {cache_name:>9} compiled "
-                        f"(masks {compiled.mask}, dynamic={compiled.dynamic}): {median:8.2f} ms/tok "
-                        f"(min {result.ms_per_token_min:.2f}), compile {result.compile_seconds or 0:.1f} s "
-                        f"(total {result.compile_seconds_total:.1f} s), graphs {result.graphs}, eager check: "
-                        f"max |dlogit| {result.compiled_max_abs_logit_diff}, argmax agree "
-                        f"{result.compiled_argmax_agree}{compiled.flags(result)}{busy}"
-                    )
+            results += _benchmark_point(setup, context, batch, eager_caches, compiled_specs)
     return results
+
+
+def _compiled_specs(
+    caches: Sequence[str], warmup: int, compile_options: CompileOptions | None, log: Callable[[str], None]
+) -> list[tuple[str, str]]:
+    """(cache, mask mode) of every compiled variant: the compileable caches, once per mask mode."""
+    if compile_options is None:
+        return []
+    skipped = [c for c in caches if c not in COMPILEABLE_CACHES]
+    if skipped:
+        log(f"  --compile: skipping {', '.join(skipped)} (not compileable: it grows, shapes change every step)")
+    if warmup < 1:
+        raise ValueError("--compile needs --warmup >= 1 (the first warm-up step compiles)")
+    return [(c, m) for m in compile_options.masks for c in caches if c in COMPILEABLE_CACHES]
+
+
+def _benchmark_point(
+    setup: _Setup, context: int, batch: int, eager_caches: list[str], compiled_specs: list[tuple[str, str]]
+) -> list[BenchResult]:
+    """The rows of one (context, batch): every variant measured in the same interleaved repetitions."""
+    model = setup.model
+    source = random_prefill(model, batch, context, setup.dtype)
+    variants: list[tuple[str, Any]] = [(c, None) for c in eager_caches]
+    if compiled_specs:
+        torch._dynamo.reset()  # every (context, batch) compiles afresh: graphs are counted per cache
+        variants += [(name, new_compiled(model, name, mask, setup.compile_options)) for name, mask in compiled_specs]
+    workload = (batch, context, setup.steps, setup.warmup, source, setup.vocab)  # what every run decodes
+    measured = [_Measured() for _ in variants]
+    for rep in range(setup.reps):
+        _eager_rep(setup, variants, workload, measured, first=(rep == 0))
+        _compiled_rep(setup, variants, workload, measured, first=(rep == 0))
+    del source
+    gc.collect()
+    must_read = setup.weights + live_kv_bytes(model, batch, context + setup.warmup + 1 + setup.steps // 2, setup.dtype)
+    rows = []
+    for (cache_name, compiled), measure in zip(variants, measured):
+        rows.append(_result(setup, cache_name, compiled, measure, context, batch, must_read))
+        _log_result(setup, rows[-1], compiled)
+    return rows
+
+
+def _eager_rep(
+    setup: _Setup, variants: list[tuple[str, Any]], workload: tuple, measured: list[_Measured], first: bool
+) -> None:
+    """One repetition of the eager variants, their steps interleaved (copies counted in the first)."""
+    _reset_peak(setup.device)  # eager caches share the rep: their peak is the rep's
+    built = [
+        (index, _DecodeSession(setup.model, name, *workload, count_copies=first, device=setup.device))
+        for index, (name, compiled) in enumerate(variants)
+        if compiled is None
+    ]
+    load = {index: measured[index].load for index, _ in built}
+    for index, run in _interleaved_decode(built, setup.steps, setup.meter, load).items():
+        measure = measured[index]
+        measure.step_ms += run.step_ms
+        measure.mask_ms += run.mask_ms
+        measure.update_ms += run.update_ms
+        measure.peak = _max_peak(measure.peak, _peak(setup.device))
+        if first:
+            measure.keep_first(run.kv_trace, run.copy_bytes, run.copy_bytes_by_op)
+
+
+def _compiled_rep(
+    setup: _Setup, variants: list[tuple[str, Any]], workload: tuple, measured: list[_Measured], first: bool
+) -> None:
+    """One repetition of each compiled variant in turn."""
+    for (_, compiled), measure in zip(variants, measured):
+        if compiled is None:
+            continue
+        _reset_peak(setup.device)
+        with setup.meter.track(measure.load):
+            step_ms, mask_ms, held, copies, by_op = compiled_decode_once(
+                setup.model, compiled, *workload, first_rep=first, device=setup.device
+            )
+        measure.step_ms += step_ms
+        measure.mask_ms += mask_ms
+        measure.peak = _max_peak(measure.peak, _peak(setup.device))
+        if first:
+            measure.keep_first([held], copies, by_op)
+
+
+def _result(
+    setup: _Setup, cache_name: str, compiled: Any, measure: _Measured, context: int, batch: int, must_read: int
+) -> BenchResult:
+    """The row of one variant at one (context, batch), from what its repetitions measured."""
+    model, dtype = setup.model, setup.dtype
+    median = statistics.median(measure.step_ms)
+    trace = measure.kv_trace
+    held = trace[-1][1]
+    ratios = [b / exact_kv_bytes(model, batch, t, dtype) for t, b in trace if t]
+    if compiled is None:
+        cache_ms = [u + m for u, m in zip(measure.update_ms, measure.mask_ms)]
+        cache_med = statistics.median(cache_ms)
+        update_med, mask_med = statistics.median(measure.update_ms), statistics.median(measure.mask_ms)
+        compile_fields: dict[str, Any] = {}
+    else:
+        cache_med = update_med = None  # inside the graph: not separable
+        mask_med = statistics.median(measure.mask_ms) if measure.mask_ms else None
+        compile_fields = compiled.result_fields(setup.compile_options)
+    return BenchResult(
+        cache=cache_name,
+        context=context,
+        batch=batch,
+        dtype=setup.dtype_name,
+        model=setup.model_name,
+        window=setup.window,
+        steps=setup.steps,
+        reps=setup.reps,
+        ms_per_token_median=median,
+        ms_per_token_min=min(measure.step_ms),
+        cache_ms_per_step_median=cache_med,
+        update_ms_per_step_median=update_med,
+        mask_ms_per_step_median=mask_med,
+        kv_bytes=held,
+        copy_bytes_per_step=measure.copy_bytes,
+        copy_bytes_by_op=measure.copy_bytes_by_op,
+        bytes_must_read_per_step=must_read,
+        roofline_pct_of_bandwidth=100.0
+        * (_must_read(cache_name, must_read, setup.weights, held) / (median / 1e3))
+        / (setup.bandwidth_gbps * 1e9),
+        tokens_per_s=1e3 * batch / median,
+        step_times_ms=[round(t, 3) for t in measure.step_ms],
+        device=str(torch.device(setup.device)),
+        peak_memory_bytes=measure.peak,
+        kv_trace=trace,
+        kv_bytes_peak=max(b for _, b in trace),
+        kv_bytes_exact=exact_kv_bytes(model, batch, trace[-1][0], dtype),
+        kv_ratio_to_exact_max=max(ratios) if ratios else None,
+        other_cpu_cores=measure.load.other_cores,
+        loadavg_max=measure.load.loadavg_max,
+        competing_load=setup.meter.competing(measure.load),
+        **compile_fields,
+    )
+
+
+def _log_result(setup: _Setup, result: BenchResult, compiled: Any) -> None:
+    """One progress line per row."""
+    busy = "  [!] other work competed for the CPUs" if result.competing_load else ""
+    point = f"  {setup.dtype_name:>8} ctx={result.context:>6} B={result.batch:>2} {result.cache:>9}"
+    median = result.ms_per_token_median
+    if compiled is None:
+        setup.log(
+            f"{point}: {median:8.2f} ms/tok (min {result.ms_per_token_min:.2f}), cache "
+            f"{result.cache_ms_per_step_median:.3f} ms/step, KV {result.kv_bytes / 2**20:.1f} MiB (max "
+            f"{result.kv_ratio_to_exact_max:.3f}x exact), copies {result.copy_bytes_per_step / 2**20:.3f} MiB/step, "
+            f"roofline {result.roofline_pct_of_bandwidth:.0f}%, load {result.loadavg_max}{busy}"
+        )
+    else:
+        setup.log(
+            f"{point} compiled (masks {compiled.mask}, dynamic={compiled.dynamic}): {median:8.2f} ms/tok "
+            f"(min {result.ms_per_token_min:.2f}), compile {result.compile_seconds or 0:.1f} s "
+            f"(total {result.compile_seconds_total:.1f} s), graphs {result.graphs}, eager check: "
+            f"max |dlogit| {result.compiled_max_abs_logit_diff}, argmax agree "
+            f"{result.compiled_argmax_agree}{compiled.flags(result)}{busy}"
+        )

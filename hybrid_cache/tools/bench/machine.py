@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from hybrid_cache.code_kernel import kernel_status
+from hybrid_cache.code_kernel import cpu_features, kernel_status
+from hybrid_cache.code_path import fallback_status
 
 __all__ = [
     "Contention",
@@ -47,15 +48,9 @@ def _cpu_model() -> str:
 
 
 def _cpu_flags() -> list[str]:
-    wanted = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma"}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return sorted(wanted & set(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return []
+    """The CPU features that decide the attention paths (x86 `flags` / aarch64 `Features`, or macOS `sysctl`)."""
+    wanted = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile", "fma", "f16c"}
+    return sorted((wanted | {"asimd", "asimddp"}) & cpu_features())
 
 
 def _mem_total_gib() -> float | None:
@@ -97,8 +92,9 @@ def machine_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        # Which path attention on the int8 / int4 codes takes here (the native kernel, or torch ops and why).
-        "code_kernel": kernel_status(),
+        # Which path attention on the int8 / int4 codes takes here: the native kernel and its instruction set
+        # (HYBRID_CACHE_CODE_KERNEL_ISA), or why not, and what runs where it cannot (HYBRID_CACHE_CODE_FALLBACK).
+        "code_kernel": f"{kernel_status()}; {fallback_status()}",
     }
 
 

@@ -1,15 +1,16 @@
-"""``python -m hybrid_cache.bench`` / ``hybrid-cache-bench``: parse the options, check the machine, run one benchmark
+"""``python -m hybrid_cache.tools.cli.bench`` / ``hybrid-cache-bench``: parse the options, check the machine, run one benchmark
 (decode, chunked prefill, or the ``generate`` prefill-chunk check), print its tables and write JSON / PNG."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -48,7 +49,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    names = list(compare.CACHE_NAMES)  # read now: names registered in hybrid_cache.tools.compare are benchmarked too
+    """The options of the command, in the order ``--help`` lists them."""
     p = argparse.ArgumentParser(
         prog="hybrid-cache-bench",
         formatter_class=_HelpFormatter,
@@ -58,6 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
         "quiet machine: it measures the load and marks rows measured while other work competed (!).",
         epilog="Commands and results: docs/benchmarks.md.",
     )
+    _add_model_options(p)
+    _add_workload_options(p)
+    _add_repetition_options(p)
+    _add_output_options(p)
+    _add_profile_options(p)
+    _add_prefill_options(p)
+    _add_device_option(p)
+    _add_compile_options(p)
+    return p
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """--model and its dtypes."""
     p.add_argument(
         "--model",
         default="default",
@@ -78,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DTYPE",
         help=f"parameter/KV dtypes, from {', '.join(sorted(DTYPES))} (each gets its own rows).",
     )
+
+
+def _add_workload_options(p: argparse.ArgumentParser) -> None:
+    """What is measured: contexts, batches, caches, windows."""
+    names = list(compare.CACHE_NAMES)  # read now: names registered in hybrid_cache.tools.compare are benchmarked too
     p.add_argument(
         "--contexts",
         nargs="+",
@@ -112,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="sliding window(s) of a random model (default: the model's own; ignored for a real model), "
         "e.g. --window 1024 4096.",
     )
+
+
+def _add_repetition_options(p: argparse.ArgumentParser) -> None:
+    """Steps, repetitions and threads."""
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per repetition.")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps before the timed ones.")
     p.add_argument("--reps", type=int, default=3, help="repetitions (interleaved across caches).")
@@ -122,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.set_num_threads (default: torch's choice, one per core). On a machine shared with other "
         "work, fewer threads than cores keeps them from waiting on each other.",
     )
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """What is written: JSON, tables, plot; the bandwidth test's size."""
     p.add_argument("--json", default=None, help="write results as JSON to this path (with the full tables).")
     p.add_argument(
         "--full-table",
@@ -131,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--plot", default=None, help="write a PNG of ms/token vs context to this path.")
     p.add_argument("--bandwidth-bytes", type=int, default=2**30, help="size of the bandwidth copy test (bytes).")
+
+
+def _add_profile_options(p: argparse.ArgumentParser) -> None:
+    """--profile and its settings."""
     p.add_argument(
         "--profile",
         action="store_true",
@@ -142,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-steps", type=int, default=3, help="profiled decode steps per cache.")
     p.add_argument("--profile-chunk", type=int, default=512, help="chunk size of the profiled prefill.")
     p.add_argument("--profile-out", default=None, help="write the profiler tables to this text file.")
+
+
+def _add_prefill_options(p: argparse.ArgumentParser) -> None:
+    """The two prefill benchmarks and their prompt / chunk sizes."""
     p.add_argument(
         "--prefill",
         action="store_true",
@@ -164,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"prefill chunk size(s) (default {' '.join(map(str, PREFILL_CHUNKS))} with --prefill, "
         f"{' '.join(map(str, CHECK_CHUNKS))} with --prefill-chunk-check).",
     )
+
+
+def _add_device_option(p: argparse.ArgumentParser) -> None:
+    """--device."""
     p.add_argument(
         "--device",
         default="cpu",
@@ -171,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
         "steps are bracketed by torch.cuda.synchronize; JSON peak_memory_bytes = "
         "torch.cuda.max_memory_allocated.",
     )
+
+
+def _add_compile_options(p: argparse.ArgumentParser) -> None:
+    """--compile and its settings."""
     p.add_argument(
         "--compile",
         action="store_true",
@@ -215,7 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="compiled warm-up steps compared with an eager run of the same cache type (<= --warmup).",
     )
-    return p
 
 
 def _log(msg: str) -> None:
@@ -320,7 +362,8 @@ def _run_prefill(args: argparse.Namespace, payload: dict[str, Any], meter: Conte
     return 0
 
 
-def _run_decode(args: argparse.Namespace, payload: dict[str, Any], meter: ContentionMeter) -> int:
+def _measure_device(args: argparse.Namespace, payload: dict[str, Any]) -> tuple[torch.device, float]:
+    """Describe the device in ``payload["machine"]`` and measure its copy bandwidth (the roofline's denominator)."""
     machine = payload["machine"]
     device = torch.device(args.device)
     machine["device"] = str(device)
@@ -335,22 +378,49 @@ def _run_decode(args: argparse.Namespace, payload: dict[str, Any], meter: Conten
         f"copy bandwidth ({device}): {bandwidth['gbps']:.2f} GB/s (best of 5 copies of "
         f"{args.bandwidth_bytes / 2**20:.0f} MiB, read + written bytes)"
     )
-    compile_options = None
-    if args.compile:
-        compile_options = CompileOptions(
-            backend=args.compile_backend,
-            mode=args.compile_mode,
-            masks=tuple(dict.fromkeys(args.compile_masks)),
-            dynamic=args.compile_dynamic,
-            check_steps=max(1, args.compile_check_steps),
-        )
-        previous_limit = torch._dynamo.config.recompile_limit
-        # Recompilations must be counted, not hit the limit (a hard error with fullgraph=True).
-        torch._dynamo.config.recompile_limit = max(previous_limit, 64)
-        payload["compile"] = asdict(compile_options)
+    return device, bandwidth["gbps"]
+
+
+def _compile_options(args: argparse.Namespace, payload: dict[str, Any]) -> CompileOptions | None:
+    """The --compile settings (recorded in ``payload["compile"]``), or None without --compile."""
+    if not args.compile:
+        return None
+    options = CompileOptions(
+        backend=args.compile_backend,
+        mode=args.compile_mode,
+        masks=tuple(dict.fromkeys(args.compile_masks)),
+        dynamic=args.compile_dynamic,
+        check_steps=max(1, args.compile_check_steps),
+    )
+    payload["compile"] = asdict(options)
+    return options
+
+
+@contextlib.contextmanager
+def _counted_recompiles(compile_options: CompileOptions | None) -> Iterator[None]:
+    """While compiling: recompilations must be counted, not hit the limit (a hard error with fullgraph=True)."""
+    if compile_options is None:
+        yield
+        return
+    previous_limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(previous_limit, 64)
+    try:
+        yield
+    finally:
+        torch._dynamo.config.recompile_limit = previous_limit
+
+
+def _decode_every_model(
+    args: argparse.Namespace,
+    device: torch.device,
+    bandwidth_gbps: float,
+    compile_options: CompileOptions | None,
+    meter: ContentionMeter,
+) -> tuple[list[BenchResult], dict[str, str]]:
+    """The decode benchmark (and --profile's tables) of every dtype and window."""
     results: list[BenchResult] = []
     profiles: dict[str, str] = {}
-    try:
+    with _counted_recompiles(compile_options):
         for dtype_name, dtype, window, model in _models(args, str(device)):
             results += run_benchmark(
                 model,
@@ -362,7 +432,7 @@ def _run_decode(args: argparse.Namespace, payload: dict[str, Any], meter: Conten
                 steps=args.steps,
                 warmup=args.warmup,
                 reps=args.reps,
-                bandwidth_gbps=bandwidth["gbps"],
+                bandwidth_gbps=bandwidth_gbps,
                 log=_log,
                 device=device,
                 compile_options=compile_options,
@@ -381,33 +451,46 @@ def _run_decode(args: argparse.Namespace, payload: dict[str, Any], meter: Conten
                         f"{args.model} w={window} {dtype_name} ctx={args.profile_context} "
                         f"B={args.profile_batch} {name}"
                     ] = table
-    finally:
-        if compile_options is not None:
-            torch._dynamo.config.recompile_limit = previous_limit
+    return results, profiles
 
+
+def _report_eager(args: argparse.Namespace, payload: dict[str, Any], results: list[BenchResult]) -> None:
+    """The eager rows' time and memory tables: full ones in ``payload``, printed full or compact."""
     eager_results = [r for r in results if not r.compiled]
     payload["table"] = format_table(eager_results, args.caches) if eager_results else ""
-    if eager_results:
-        payload["memory_table"] = format_memory_table(eager_results, args.caches)
-        if args.full_table:
-            _log(
-                "\n" + payload["table"] + "\n\nK/V bytes held (end of decode / most at any point, and the largest "
-                "ratio to an exactly sized cache for the same tokens):\n" + payload["memory_table"]
-            )
-        else:
-            _log(
-                "\n" + format_table(eager_results, args.caches, full=False) + "\n\nK/V bytes held at the end of "
-                "decode (and ring/dynamic at its worst point):\n"
-                + format_memory_table(eager_results, args.caches, full=False)
-                + "\n(--full-table for min times, cache ms, copy MiB and peak K/V; the JSON has the full tables)"
-            )
-    compiled_results = [r for r in results if r.compiled]
-    if compiled_results:
+    if not eager_results:
+        return
+    payload["memory_table"] = format_memory_table(eager_results, args.caches)
+    if args.full_table:
+        _log(
+            "\n" + payload["table"] + "\n\nK/V bytes held (end of decode / most at any point, and the largest "
+            "ratio to an exactly sized cache for the same tokens):\n" + payload["memory_table"]
+        )
+    else:
+        _log(
+            "\n" + format_table(eager_results, args.caches, full=False) + "\n\nK/V bytes held at the end of "
+            "decode (and ring/dynamic at its worst point):\n"
+            + format_memory_table(eager_results, args.caches, full=False)
+            + "\n(--full-table for min times, cache ms, copy MiB and peak K/V; the JSON has the full tables)"
+        )
+
+
+def _report_compiled(args: argparse.Namespace, payload: dict[str, Any], results: list[BenchResult]) -> None:
+    """The compiled rows' table: the full one in ``payload``, printed full or compact."""
+    if any(r.compiled for r in results):
         payload["compiled_table"] = format_compiled_table(results)
         _log(
             "\ncompiled decode:\n"
             + (payload["compiled_table"] if args.full_table else format_compiled_table(results, full=False))
         )
+
+
+def _run_decode(args: argparse.Namespace, payload: dict[str, Any], meter: ContentionMeter) -> int:
+    device, bandwidth_gbps = _measure_device(args, payload)
+    compile_options = _compile_options(args, payload)
+    results, profiles = _decode_every_model(args, device, bandwidth_gbps, compile_options, meter)
+    _report_eager(args, payload, results)
+    _report_compiled(args, payload, results)
     payload["results"] = [asdict(r) for r in results]
     if profiles:
         payload["profiles"] = profiles
@@ -415,7 +498,7 @@ def _run_decode(args: argparse.Namespace, payload: dict[str, Any], meter: Conten
     if args.plot:
         plot_results(results, args.plot)
     _busy_summary(results, meter)
-    bad = [r for r in compiled_results if r.compiled_matches_eager is False or r.recompiled_during_timing]
+    bad = [r for r in results if r.compiled and (r.compiled_matches_eager is False or r.recompiled_during_timing)]
     if bad:
         _log(f"compiled decode: {len(bad)} row(s) did not match eager or compiled during timing (see JSON)")
         return 1
@@ -432,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    command = "python -m hybrid_cache.bench " + " ".join(
+    command = "python -m hybrid_cache.tools.cli.bench " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else list(argv))
     )
     machine = machine_info()

@@ -1,4 +1,4 @@
-"""``python -m hybrid_cache.lm_eval_ring <lm_eval arguments>``: lm_eval's own command line, with the model type
+"""``python -m hybrid_cache.tools.cli.lm_eval_ring <lm_eval arguments>``: lm_eval's own command line, with the model type
 ``hf-ring`` (`hybrid_cache.tools.lm_eval_ring.RingLM`) registered."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``hybrid-cache-perplexity`` / ``python -m hybrid_cache.perplexity``: streaming perplexity of a text with different
+"""``hybrid-cache-perplexity`` / ``python -m hybrid_cache.tools.cli.perplexity``: streaming perplexity of a text with different
 KV caches (`hybrid_cache.tools.perplexity`), optionally against an exact reference (`hybrid_cache.tools.quality`):
 parse the options, load the model and the text, print the table, write JSON / PNG.
 
@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point (``hybrid-cache-perplexity`` / ``python -m hybrid_cache.perplexity``).
+    """Console entry point (``hybrid-cache-perplexity`` / ``python -m hybrid_cache.tools.cli.perplexity``).
 
     Args:
         argv: arguments (default ``sys.argv[1:]``).
@@ -98,6 +99,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    caches = _checked_caches(parser, args)
+    model, ids, model_desc, text_desc = _load_model_and_text(parser, args)
+    if "ring" in caches and not has_sliding_layers(model.config):
+        print("note: this model has no sliding-window layers, so the ring cache holds as much as a full cache")
+    results = _evaluate(model, ids, caches, args)
+    per_token = full_cache_bytes_per_token(model.config, next(model.parameters()).dtype)
+    _print_results(results, per_token * ids.numel())
+    if args.json_path:
+        _write_json(args, results, model_desc, text_desc, int(ids.numel()), per_token)
+    if args.plot:
+        plot_memory(results, per_token, args.plot, title=f"{type(model).__name__}: KV bytes held ({args.dtype})")
+        print(f"wrote {args.plot}")
+    if args.quality_plot:
+        plot_quality(
+            [r for r in results if r.kl_mean is not None],
+            args.quality_plot,
+            title=f"{type(model).__name__}, {ids.numel()} tokens, {args.dtype}: quality vs KV bytes",
+        )
+        print(f"wrote {args.quality_plot}")
+    return 0
+
+
+def _checked_caches(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The --caches list, once every option is checked (a usage error exits with status 2)."""
     caches = [c.strip() for c in args.caches.split(",") if c.strip()]
     unknown = [c for c in caches if c not in CACHE_NAMES]
     if unknown or not caches:
@@ -112,7 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--reference must be a cache other than none, one of {', '.join(CACHE_NAMES[:-1])}")
     if args.quality_plot and args.reference is None:
         parser.error("--quality-plot needs --reference")
+    return caches
 
+
+def _load_model_and_text(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Any, Any, str, str]:
+    """(model, token ids of the text, model description, text description); a text, model or tokenizer that cannot
+    be loaded, or a text shorter than one chunk + 1, exits with status 2."""
     try:
         text, text_desc = load_text(args.text)
         t0 = time.perf_counter()
@@ -128,7 +158,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"model: {model_desc}  [{type(model).__name__}, {args.dtype}, {args.device}, loaded in "
         f"{time.perf_counter() - t0:.1f} s]"
     )
-
     ids = tokenizer(text, return_tensors="pt").input_ids[0]  # BOS included: Gemma expects it
     if args.max_tokens:
         ids = ids[: args.max_tokens]
@@ -139,9 +168,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{parser.prog}: error: the text has {ids.numel()} tokens, fewer than one chunk + 1 "
             f"({args.chunk_size} + 1): use a longer text or a smaller --chunk-size\n",
         )
-    if "ring" in caches and not has_sliding_layers(model.config):
-        print("note: this model has no sliding-window layers, so the ring cache holds as much as a full cache")
+    return model, ids, model_desc, text_desc
 
+
+def _evaluate(model: Any, ids: torch.Tensor, caches: list[str], args: argparse.Namespace) -> list[PerplexityResult]:
+    """Every cache's perplexity: with --reference, the cached runs in lockstep with it, then `none` alone."""
     results: list[PerplexityResult] = []
     if args.reference is not None:
         cached = [name for name in caches if name != "none"]
@@ -165,50 +196,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.append(res)
         if res.memory_report:
             print(f"[{name}] memory report:\n{res.memory_report}")
+    return results
 
-    kv_dtype = next(model.parameters()).dtype
-    per_token = full_cache_bytes_per_token(model.config, kv_dtype)
+
+def _print_results(results: list[PerplexityResult], full_cache_bytes: int) -> None:
+    """The table, and each cache's perplexity relative to `none` (no cache) when it ran."""
     print()
-    print(format_table(results, per_token * ids.numel()))
+    print(format_table(results, full_cache_bytes))
     ref = next((r for r in results if r.cache == "none"), None)
     if ref is not None:
         for r in results:
             if r is not ref:
                 print(f"{r.cache} vs none: relative ppl difference {abs(r.ppl - ref.ppl) / ref.ppl:.2e}")
 
-    if args.json_path:
-        payload = {
-            "model": model_desc,
-            "text": text_desc,
-            "tokens": int(ids.numel()),
-            "chunk_size": args.chunk_size,
-            "dtype": args.dtype,
-            "device": args.device,
-            "full_cache_bytes": per_token * int(ids.numel()),
-            "torch_threads": torch.get_num_threads(),
-            "results": [
-                {
-                    **{k: v for k, v in asdict(r).items() if k != "memory_report"},
-                    "tokens_per_second": r.tokens_per_second,
-                }
-                for r in results
-            ],
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
-        with open(args.json_path, "w") as fh:
-            json.dump(payload, fh, indent=2)
-        print(f"wrote {args.json_path}")
-    if args.plot:
-        plot_memory(results, per_token, args.plot, title=f"{type(model).__name__}: KV bytes held ({args.dtype})")
-        print(f"wrote {args.plot}")
-    if args.quality_plot:
-        plot_quality(
-            [r for r in results if r.kl_mean is not None],
-            args.quality_plot,
-            title=f"{type(model).__name__}, {ids.numel()} tokens, {args.dtype}: quality vs KV bytes",
-        )
-        print(f"wrote {args.quality_plot}")
-    return 0
+
+def _write_json(
+    args: argparse.Namespace,
+    results: list[PerplexityResult],
+    model_desc: str,
+    text_desc: str,
+    tokens: int,
+    per_token: int,
+) -> None:
+    """The --json file: the run's settings and every result (without the memory report)."""
+    payload = {
+        "model": model_desc,
+        "text": text_desc,
+        "tokens": tokens,
+        "chunk_size": args.chunk_size,
+        "dtype": args.dtype,
+        "device": args.device,
+        "full_cache_bytes": per_token * tokens,
+        "torch_threads": torch.get_num_threads(),
+        "results": [
+            {
+                **{k: v for k, v in asdict(r).items() if k != "memory_report"},
+                "tokens_per_second": r.tokens_per_second,
+            }
+            for r in results
+        ],
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
+    with open(args.json_path, "w") as fh:
+        json.dump(payload, fh, indent=2)
+    print(f"wrote {args.json_path}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``hybrid-cache-plan`` / ``python -m hybrid_cache.planner``: the KV bytes of every cache for a preset, a config.json
+"""``hybrid-cache-plan`` / ``python -m hybrid_cache.tools.cli.planner``: the KV bytes of every cache for a preset, a config.json
 or a model directory (`hybrid_cache.tools.planner`), as tables or JSON, and the longest context within ``--budget``.
 
 A config that cannot be planned (an unknown preset or file, a tensor-parallel degree that does not divide the KV

@@ -1,7 +1,7 @@
 """Prefix caches on the embedded model: build one from a text, save it, answer prompts from it, and measure the
 time-to-first-token (TTFT) cold (the prefix recomputed) against warm (the saved file loaded).
 
-Commands (``hybrid-cache-prefix`` or ``python -m hybrid_cache.prefix``; ``--model`` goes before or after the command)::
+Commands (``hybrid-cache-prefix`` or ``python -m hybrid_cache.tools.cli.prefix``; ``--model`` goes before or after the command)::
 
     build TEXT -o prefix.safetensors [--max-tokens 4096]    # TEXT: a text file, or "default" (Britannica)
     ask prefix.safetensors "prompt" ["prompt" ...] [--max-new-tokens 24] [--no-cold]

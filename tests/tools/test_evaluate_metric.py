@@ -8,20 +8,20 @@ import evaluate
 import pytest
 import torch
 
-import hybrid_cache
-from hybrid_cache.perplexity import evaluate_perplexity
+from hybrid_cache.tools import RING_PERPLEXITY_METRIC
+from hybrid_cache.tools.perplexity import evaluate_perplexity
 
 pytestmark = pytest.mark.slow
 
 
 def test_ring_perplexity_metric_equals_no_cache_forward():
-    from hybrid_cache.models import load_model
-    from hybrid_cache.text import load_text
+    from hybrid_cache.tools.models import load_model
+    from hybrid_cache.tools.text import load_text
 
     model, tokenizer = load_model()
     text, _ = load_text()
     texts = [text[:4000], text[4000:5000]]  # ~900 tokens (past the 512-token window) and ~230 tokens
-    metric = evaluate.load(hybrid_cache.RING_PERPLEXITY_METRIC)
+    metric = evaluate.load(RING_PERPLEXITY_METRIC)
     got = metric.compute(predictions=texts, model=model, tokenizer=tokenizer, chunk_size=200)
     expected = []
     for piece in texts:

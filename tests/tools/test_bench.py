@@ -8,14 +8,19 @@ import time
 import pytest
 import torch
 
-from hybrid_cache import bench
 from hybrid_cache.compat import cache_kwargs
+from hybrid_cache.tools.bench import machine
+from hybrid_cache.tools.bench.instrument import CacheOpTimer
+from hybrid_cache.tools.bench.prefill import prefill_chunk_check
+from hybrid_cache.tools.bench.workload import build_tiny_model, exact_kv_bytes, random_prefill, synthesize_prefill
+from hybrid_cache.tools.cli import bench as bench_cli
+from hybrid_cache.tools.compare import make_cache
 
 
 def test_bench_main_json_schema(tmp_path, capsys):
     out = tmp_path / "bench.json"
     plot = tmp_path / "bench.png"
-    rc = bench.main(
+    rc = bench_cli.main(
         [
             "--model",
             "tiny",
@@ -44,7 +49,7 @@ def test_bench_main_json_schema(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert {"machine", "command", "results"} <= set(data)
     assert data["machine"]["nproc"] >= 1 and data["machine"]["copy_bandwidth_gbps"] > 0
-    assert data["command"].startswith("python -m hybrid_cache.bench")
+    assert data["command"].startswith("python -m hybrid_cache.tools.cli.bench")
     results = data["results"]
     assert {(r["cache"], r["batch"]) for r in results} == {
         (c, b) for c in ("ring", "dynamic", "static") for b in (1, 2)
@@ -85,7 +90,7 @@ def test_bench_main_json_schema(tmp_path, capsys):
 
 def test_bench_full_table_flag(capsys):
     """--full-table prints today's full table (min times, cache ms, KV and copy MiB, peak K/V) instead."""
-    rc = bench.main(
+    rc = bench_cli.main(
         [
             "--model",
             "tiny",
@@ -109,17 +114,17 @@ def test_bench_full_table_flag(capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "ring ms/tok med/min" in printed and "copy MiB" in printed and "MiB end/peak" in printed
-    assert "--full-table" in " ".join(bench.build_parser().format_help().split())
+    assert "--full-table" in " ".join(bench_cli.build_parser().format_help().split())
 
 
 def test_instrumentation_restores_patches():
     from transformers.models.gemma3 import modeling_gemma3
 
-    model = bench.build_tiny_model(window=8)
-    cache = bench.make_cache("ring", model, 64)
+    model = build_tiny_model(window=8)
+    cache = make_cache("ring", model, 64)
     before = modeling_gemma3.create_causal_mask, modeling_gemma3.create_sliding_window_causal_mask
-    timer = bench.CacheOpTimer()
-    bench.synthesize_prefill(cache, bench.random_prefill(model, 1, 20, torch.float32))
+    timer = CacheOpTimer()
+    synthesize_prefill(cache, random_prefill(model, 1, 20, torch.float32))
     with timer.instrument(model, cache), torch.inference_mode():
         model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[20]]), **cache_kwargs(cache), use_cache=True)
     assert timer.update_calls == 6 and timer.update_s > 0 and timer.mask_s > 0
@@ -130,8 +135,8 @@ def test_instrumentation_restores_patches():
 
 @pytest.mark.parametrize("chunk", [16])
 def test_prefill_chunk_check_tiny(chunk):
-    model = bench.build_tiny_model(window=8, head_dim=16)
-    result = bench.prefill_chunk_check(model, prompt_length=100, chunk_size=chunk, max_new_tokens=2)
+    model = build_tiny_model(window=8, head_dim=16)
+    result = prefill_chunk_check(model, prompt_length=100, chunk_size=chunk, max_new_tokens=2)
     assert result["generated"] == 2
     assert result["sliding_capacity_max"] == 8
     assert 8 < result["max_sliding_update_returned_tokens"] <= 8 + chunk
@@ -142,7 +147,7 @@ def test_bench_compile_smoke_eager_backend(tmp_path):
     """--compile with the 'eager' backend (graph capture only; inductor is too slow for CI): one graph per cache
     (the ring over a wrapped 16-slot window, across two reps with fresh caches), compiled logits = eager logits."""
     out = tmp_path / "compiled.json"
-    rc = bench.main(
+    rc = bench_cli.main(
         [
             "--model",
             "tiny",
@@ -194,7 +199,7 @@ def test_prefill_json_keys_exactness_and_memory(tmp_path):
     DynamicCache's (fp32); the ring's peak K/V is exactly what a cache sized for the prompt holds (5 rings of 16 slots
     + the full layer's 48 tokens), while DynamicCache's sliding layers hold window - 1 + chunk tokens of storage."""
     out = tmp_path / "prefill.json"
-    rc = bench.main(
+    rc = bench_cli.main(
         [
             "--model",
             "tiny",
@@ -225,8 +230,8 @@ def test_prefill_json_keys_exactness_and_memory(tmp_path):
         assert r["context"] == 48 and r["dtype"] == "float32" and len(r["prefill_ms"]) == 2
         assert r["prefill_ms_median"] > 0 and r["tokens_per_s"] > 0 and isinstance(r["competing_load"], bool)
         assert r["max_abs_logit_diff"] < 1e-4, r
-    model = bench.build_tiny_model(window=16)
-    exact = bench.exact_kv_bytes(model, 1, 48, torch.float32)
+    model = build_tiny_model(window=16)
+    exact = exact_kv_bytes(model, 1, 48, torch.float32)
     by = {(r["cache"], r["chunk"]): r for r in rows}
     token_layer = 2 * 256 * 4  # K and V, 1 KV head of 256, fp32
     assert exact == token_layer * (5 * 16 + 48)
@@ -239,7 +244,7 @@ def test_decode_memory_within_a_64th_of_exact(tmp_path):
     of the run the ring holds at most 1/64 more than an exactly sized cache for the same tokens, i.e. within 2% of a
     StaticCache holding them."""
     out = tmp_path / "decode.json"
-    rc = bench.main(
+    rc = bench_cli.main(
         [
             "--model",
             "tiny",
@@ -266,18 +271,18 @@ def test_decode_memory_within_a_64th_of_exact(tmp_path):
     rows = {r["cache"]: r for r in data["results"]}
     ring = rows["ring"]
     assert len(ring["kv_trace"]) == 1 + 1 + 1 + 3  # after the prefill, the warm-up, the counted and the timed steps
-    model = bench.build_tiny_model(window=16)
+    model = build_tiny_model(window=16)
     for tokens, held in ring["kv_trace"]:
-        assert held <= bench.exact_kv_bytes(model, 1, tokens, torch.float32) * (1 + 1 / 64)
+        assert held <= exact_kv_bytes(model, 1, tokens, torch.float32) * (1 + 1 / 64)
     assert 1.0 < ring["kv_ratio_to_exact_max"] <= 1 + 1 / 64
     assert ring["kv_bytes"] <= rows["static"]["kv_bytes"] * 1.02
     assert "ring/dynamic end, max" in data["memory_table"]
 
 
 def test_help_shows_defaults_and_registered_caches(monkeypatch):
-    from hybrid_cache import compare
+    from hybrid_cache.tools import compare
 
-    text = bench.build_parser().format_help()
+    text = bench_cli.build_parser().format_help()
     for expected in (
         "(default: 16)",
         "(default: 3)",
@@ -289,9 +294,9 @@ def test_help_shows_defaults_and_registered_caches(monkeypatch):
     ):
         assert expected in " ".join(text.split()), expected
     # The exact caches by default; a cache registered in hybrid_cache.compare can be chosen.
-    assert bench.build_parser().parse_args([]).caches == ["ring", "dynamic", "static"]
+    assert bench_cli.build_parser().parse_args([]).caches == ["ring", "dynamic", "static"]
     monkeypatch.setattr(compare, "CACHE_NAMES", (*compare.CACHE_NAMES, "ring-new"))
-    assert bench.build_parser().parse_args(["--caches", "ring-new"]).caches == ["ring-new"]
+    assert bench_cli.build_parser().parse_args(["--caches", "ring-new"]).caches == ["ring-new"]
 
 
 def test_contention_meter_sees_a_competing_process():
@@ -300,8 +305,8 @@ def test_contention_meter_sees_a_competing_process():
     import subprocess
     import sys
 
-    meter = bench.ContentionMeter(threads=bench.machine.usable_cpus())
-    if bench.machine._busy_seconds(None) is None:
+    meter = machine.ContentionMeter(threads=machine.usable_cpus())
+    if machine._busy_seconds(None) is None:
         pytest.skip("no /proc/stat on this platform")
     spinner = subprocess.Popen(
         [sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"]
@@ -314,17 +319,19 @@ def test_contention_meter_sees_a_competing_process():
         spinner.wait()
     assert contention.other_cores is not None and contention.other_cores > 0.5, contention
     assert meter.competing(contention)
-    warning = bench.busy_machine_warning(meter, contention)
+    warning = machine.busy_machine_warning(meter, contention)
     assert warning and "quiet machine" in warning and "competing_load" in warning
-    quiet = bench.Contention(wall_s=10.0, other_cpu_s=0.5, loadavg_max=0.1)
-    assert not bench.ContentionMeter(threads=1).competing(quiet) and bench.busy_machine_warning(meter, quiet) is None
+    quiet = machine.Contention(wall_s=10.0, other_cpu_s=0.5, loadavg_max=0.1)
+    assert (
+        not machine.ContentionMeter(threads=1).competing(quiet) and machine.busy_machine_warning(meter, quiet) is None
+    )
 
 
 def test_model_mistakes_are_one_line(capsys):
     """A Hub id that is not cached (offline) or a path that does not exist ends the command with one clear line."""
     for model in ("google/gemma-3-270m", "./no/such/checkpoint"):
         with pytest.raises(SystemExit) as exit_info:
-            bench.main(["--model", model, "--contexts", "8", "--batch", "1", "--bandwidth-bytes", str(1 << 20)])
+            bench_cli.main(["--model", model, "--contexts", "8", "--batch", "1", "--bandwidth-bytes", str(1 << 20)])
         message = str(exit_info.value)
         assert message.startswith("hybrid-cache-bench: error: ") and "\n" not in message, message
         assert ("Hub" in message or "does not exist" in message) and model in message

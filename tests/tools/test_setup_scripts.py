@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEP = re.compile(r"^\[setup (\d)/4\] ", re.M)
 
 
@@ -126,7 +126,7 @@ def test_setup_makes_its_own_venv_next_to_a_python_that_cannot_install(tmp_path)
 
     # One interpreter end to end: PYTHON=<venv python> runs the set-up and the tests with it.
     tests = subprocess.run(
-        ["bash", "scripts/test.sh", "-q", "-p", "no:cacheprovider", "tests/test_layers.py", "-k", "growable"],
+        ["bash", "scripts/test.sh", "-q", "-p", "no:cacheprovider", "tests/core/test_layers.py", "-k", "growable"],
         cwd=clone,
         env=_env(PATH=path, PYTHON=str(venv_python)),
         capture_output=True,

@@ -2,7 +2,7 @@
 transformers' `DynamicCache` / `StaticCache`, on tiny models built from random configs (Gemma 4: per-type KV heads
 and head sizes, KV-shared layers), on the full-size presets (models built on the meta device, no memory), layer by
 layer over long decodes (whatever the growth rule), and per process under tensor / pipeline parallelism
-(`tests/test_distributed.py`).
+(`tests/core/test_distributed.py`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,15 @@ import torch
 from builders import VOCAB, tiny_gemma3, tiny_gemma4
 from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, StaticCache
 
-from hybrid_cache import GrowableFullLayer, HybridRingCache, RingSlidingLayer, StaticFullLayer, StaticRingSlidingLayer
-from hybrid_cache.compare import kv_bytes_held, layer_kv_geometry
+from hybrid_cache import HybridRingCache
 from hybrid_cache.compat import cache_kwargs
-from hybrid_cache.planner import PRESETS, load_config, main, max_context_length, plan_kv_memory
+from hybrid_cache.full import GrowableFullLayer, StaticFullLayer
+from hybrid_cache.ring import RingSlidingLayer, StaticRingSlidingLayer
+from hybrid_cache.tools.cli.planner import main
+from hybrid_cache.tools.compare import kv_bytes_held, layer_kv_geometry
+from hybrid_cache.tools.planner import PRESETS, load_config, max_context_length, plan_kv_memory
 
-# Random configurations per run; `HYBRID_CACHE_PLANNER_SEEDS=200 pytest tests/test_planner.py` to soak.
+# Random configurations per run; `HYBRID_CACHE_PLANNER_SEEDS=200 pytest tests/tools/test_planner.py` to soak.
 PLANNER_SEEDS = int(os.environ.get("HYBRID_CACHE_PLANNER_SEEDS", "8"))
 
 
@@ -240,7 +243,7 @@ def test_cli(capsys, tmp_path):
 @pytest.mark.slow
 def test_gemma3_270m_preset_is_the_embedded_model():
     """The preset's geometry is the real Gemma 3 270M's (the converted checkpoint of `hybrid_cache.models`)."""
-    from hybrid_cache.models import load_model
+    from hybrid_cache.tools.models import load_model
 
     model, _ = load_model()
     preset = PRESETS["gemma-3-270m"].config()

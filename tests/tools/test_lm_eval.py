@@ -15,16 +15,16 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
 import hybrid_cache
-from hybrid_cache.lm_eval_ring import RingLM
+from hybrid_cache.tools.lm_eval_ring import RingLM
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASKS = ["ring_local_generate", "ring_local_perplexity"]
 
 
 @pytest.fixture(scope="module")
 def runs():
-    from hybrid_cache.models import load_model
+    from hybrid_cache.tools.models import load_model
 
     model, tokenizer = load_model()
     cwd = os.getcwd()
