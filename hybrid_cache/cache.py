@@ -6,24 +6,37 @@ layers (`ring.py`, `full.py`, `quantized.py`, `streaming.py`), the mask hook (`m
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers.cache_utils import Cache
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import is_torchdynamo_compiling
 
+from .checkpoints import CacheCheckpoint, restore_checkpoint, take_checkpoint
 from .code_attention import CODE_ATTENTION
-from .compat import CacheLayerMixin, DummyLayer, check_rollback_supported, rollback_release_note
+from .compat import (
+    CacheLayerMixin,
+    DummyLayer,
+    check_assisted_step_continues,
+    check_rollback_supported,
+    initialize_layers_early,
+    notify_generate_start,
+    rollback_release_note,
+)
 from .distributed import check_parallel_config, stage_layers
+from .errors import CodeAttentionError
 from .full import GrowableFullLayer, StaticFullLayer
 from .mask_hook import (
     IssuedLayouts,
     RingLayout,
     annotate_offset,
+    check_prepared_mask_width,
     check_ring_attention_supported,
     install_mask_hook,
     is_mask_hook_installed,
@@ -33,53 +46,79 @@ from .memory import MemoryReport, memory_report
 from .options import CacheOptions
 from .quantized import DequantWorkspace, QuantizedFullLayer, StaticQuantizedFullLayer
 from .ring import RingSlidingLayer, StaticRingSlidingLayer
-from .snapshot import CacheCheckpoint, load_cache, restore_checkpoint, save_cache, take_checkpoint
-from .specs import FULL, OTHER_STAGE, SHARED, SLIDING, LayerSpec, kv_heads_per_rank, layer_specs
+from .snapshot import load_cache, save_cache
+from .specs import FULL, OTHER_STAGE, LayerSpec, kv_heads_per_rank, layer_specs
+from .steps import StepJournal
 from .streaming import SinkWindowFullLayer
 
-__all__ = ["LAYER_STORAGE", "OTHER_STAGE", "SHARED", "SLIDING", "FULL", "HybridRingCache", "MemoryReport"]
+__all__ = ["LAYER_STORAGE", "HybridRingCache", "MemoryReport"]
 
-# Storage whose one-token steps return keys out of time order once wrapped, described to the mask by a `RingLayout`.
-_RING_LAYERS = (RingSlidingLayer, SinkWindowFullLayer)
+
+def _can(layer: Any, capability: str) -> bool:
+    """A layer's capability (`StorageLayer`'s class attributes; `False` for storage that does not declare it)."""
+    return getattr(layer, capability, False)
+
+
+_T = TypeVar("_T")
+
+
+def _given(value: _T | None) -> _T:
+    """An option (or a sliding spec's window) the storage's factory needs: `CacheOptions.storage` selects a storage
+    only when its option is set, so a factory in `LAYER_STORAGE` never reads `None` here."""
+    assert value is not None
+    return value
+
 
 #: The storage of a layer, by `CacheOptions.storage(kind)` (like transformers' `STATIC_LAYER_TYPE_MAPPING`): a
 #: factory of the layer spec, the options and the dequantization workspace the compressed layers share.
 LAYER_STORAGE: dict[str, Callable[[LayerSpec, CacheOptions, DequantWorkspace], CacheLayerMixin]] = {
-    "ring": lambda spec, options, _: RingSlidingLayer(spec.window, rollback_margin=options.rollback_margin),
+    "ring": lambda spec, options, _: RingSlidingLayer(_given(spec.window), rollback_margin=options.rollback_margin),
     "static_ring": lambda spec, options, _: StaticRingSlidingLayer(
-        spec.window, rollback_margin=options.rollback_margin
+        _given(spec.window), rollback_margin=options.rollback_margin
     ),
     "growable": lambda spec, options, _: GrowableFullLayer(options.initial_capacity),
-    "static": lambda spec, options, _: StaticFullLayer(options.max_cache_len),
+    "static": lambda spec, options, _: StaticFullLayer(_given(options.max_cache_len)),
     "quantized": lambda spec, options, workspace: QuantizedFullLayer(
-        options.full_layer_quantization,
+        _given(options.full_layer_quantization),
         workspace,
         options.full_layer_group_size,
-        options.full_layer_rotation,
+        _given(options.full_layer_rotation),
         options.initial_capacity,
         key_calibration=options.full_layer_key_calibration,
     ),
     "static_quantized": lambda spec, options, workspace: StaticQuantizedFullLayer(
-        options.max_cache_len,
-        options.full_layer_quantization,
+        _given(options.max_cache_len),
+        _given(options.full_layer_quantization),
         workspace,
         options.full_layer_group_size,
-        options.full_layer_rotation,
+        _given(options.full_layer_rotation),
         key_calibration=options.full_layer_key_calibration,
     ),
     "sink_window": lambda spec, options, _: SinkWindowFullLayer(
-        options.sink_tokens, options.full_layer_window, options.rollback_margin
+        options.sink_tokens, _given(options.full_layer_window), options.rollback_margin
     ),
 }
 
 
-def build_layer(spec: LayerSpec, options: CacheOptions, workspace: DequantWorkspace) -> CacheLayerMixin:
+def build_layer(spec: LayerSpec, options: CacheOptions, workspace: DequantWorkspace) -> CacheLayerMixin | DummyLayer:
     """The storage of one layer: from `LAYER_STORAGE`, or a `DummyLayer` for layers that store nothing here."""
     if not spec.stores:
         return DummyLayer()
     return LAYER_STORAGE[options.storage(spec.storage_kind)](spec, options, workspace)
 
 
+def _settled(method: Callable) -> Callable:
+    """`method`, called after a step a failed forward left half-written is undone (`steps.StepJournal.settle`)."""
+
+    @functools.wraps(method)
+    def settled(self: HybridRingCache, *args: Any, **kwargs: Any) -> Any:
+        self._journal.settle(self.layers)
+        return method(self, *args, **kwargs)
+
+    return settled
+
+
+@notify_generate_start
 class HybridRingCache(Cache):
     """An exact, memory-minimal cache for models mixing sliding-window and full attention (Gemma 3, Gemma 4, ...).
 
@@ -91,10 +130,8 @@ class HybridRingCache(Cache):
 
     Args:
         config (`PreTrainedConfig`): the model's config (composite or text config).
-        stage_layers (`Iterable[int]`, *optional*): under pipeline parallelism, the decoder layers this process runs;
-            the others get no storage, and positions and mask sizes are answered from the layers held.
-            `HybridRingCache.for_model(model)` reads them from the model. Required when `config` belongs to a model
-            loaded with `DistributedConfig(pp_size > 1)`.
+        stage_layers (`Iterable[int]`, *optional*): under pipeline parallelism, the decoder layers this process runs
+            (`HybridRingCache.for_model(model)` reads them; required for `DistributedConfig(pp_size > 1)` models).
         max_cache_len, rollback_margin, initial_capacity, dense_decode_mask, full_layer_*: the storage options, checked
             together and documented in `hybrid_cache.options.CacheOptions` (`cache.options`). By default every layer
             is exact and grows as needed.
@@ -131,38 +168,48 @@ class HybridRingCache(Cache):
                 f"{type(config).__name__}. Pass `model.config`."
             )
         self.options = CacheOptions(
-            max_cache_len,
-            rollback_margin,
-            initial_capacity,
-            dense_decode_mask,
-            full_layer_quantization,
-            full_layer_group_size,
-            full_layer_rotation,
-            full_layer_key_calibration,
-            full_layer_window,
-            full_layer_sink_tokens,
-            full_layer_code_attention,
+            max_cache_len=max_cache_len,
+            rollback_margin=rollback_margin,
+            initial_capacity=initial_capacity,
+            dense_decode_mask=dense_decode_mask,
+            full_layer_quantization=full_layer_quantization,
+            full_layer_group_size=full_layer_group_size,
+            full_layer_rotation=full_layer_rotation,
+            full_layer_key_calibration=full_layer_key_calibration,
+            full_layer_window=full_layer_window,
+            full_layer_sink_tokens=full_layer_sink_tokens,
+            full_layer_code_attention=full_layer_code_attention,
         )
         self.config = config.get_text_config(decoder=True)
         self.tp_size = check_parallel_config(config, stage_layers)
-        self.specs = layer_specs(self.config, stage_layers)
-        self.layer_kinds = [spec.storage_kind for spec in self.specs]
+        self.specs = layer_specs(self.config, stage_layers)  # each layer's role: the one place it is held
         self._workspace = DequantWorkspace()
         super().__init__(layers=[build_layer(spec, self.options, self._workspace) for spec in self.specs])
         self._layouts = IssuedLayouts()  # ring layouts announced to this step's masks (see `update`)
-        self._first_ring = next((i for i, layer in enumerate(self.layers) if isinstance(layer, _RING_LAYERS)), None)
+        self._first_ring = next((i for i, layer in enumerate(self.layers) if _can(layer, "ring_ordered")), None)
+        self._journal = StepJournal([i for i, spec in enumerate(self.specs) if spec.stores])
         install_mask_hook()
 
+    layers: list[Any]  # storage (LAYER_STORAGE) or DummyLayer, not transformers' union; capabilities: `_can`
+    #: Read by `distributed.restrict_to_stage`, which refuses this cache: it holds its stage's layers itself.
+    holds_its_stage = True
     # Options read as attributes (`dense_decode_mask` may be changed between steps).
     max_cache_len = property(lambda self: self.options.max_cache_len)
+    layer_kinds = property(lambda self: [spec.storage_kind for spec in self.specs], doc="Each layer's role (specs).")
     dense_decode_mask = property(
         lambda self: self.options.dense_decode_mask,
         lambda self, value: setattr(self, "options", replace(self.options, dense_decode_mask=value)),
     )
 
+    def __deepcopy__(self, memo: dict) -> HybridRingCache:
+        memo[id(self.config)] = self.config  # the model's config, shared: the copy follows its attention switches
+        copied = memo[id(self)] = type(self).__new__(type(self))
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
+
     def __setstate__(self, state: dict) -> None:
         # Unpickling skips `__init__`: the mask hook must be in place in this process before the first wrapped step.
-        self.__dict__.update(_upgrade_pickled_state(state))
+        self.__dict__.update(state)
         install_mask_hook()
 
     @classmethod
@@ -172,21 +219,24 @@ class HybridRingCache(Cache):
 
     # --- guarded entry points -------------------------------------------------------------------------------------
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx >= len(self.layers):
-            raise IndexError(
-                f"update() for layer {layer_idx}, but the config declares {len(self.layers)} layers. The cache was "
-                f"built from another model's config."
-            )
-        layer = self.layers[layer_idx]
-        if isinstance(layer, DummyLayer):
-            _refuse_update_of_empty_layer(self.specs[layer_idx])
-        if not is_torchdynamo_compiling():  # the checks read Python counters; compiled steps were checked eagerly
-            self._check_ring_mask_was_built(layer_idx, key_states.shape[-2])
-        if type(layer) is QuantizedFullLayer:  # the growing compressed layer (not the compileable one)
-            return layer.update(key_states, value_states, *args, return_codes=self.attends_on_codes(), **kwargs)
-        return layer.update(key_states, value_states, *args, **kwargs)
+        layer = _layer_to_update(self, layer_idx)
+        if is_torchdynamo_compiling():  # the checks read Python counters; compiled steps were checked eagerly
+            return layer.update(key_states, value_states, *args, **kwargs)
+        later_layer = not self._journal.starts_step(layer_idx)  # of a step that already wrote
+        try:
+            _before_write(self, layer_idx, key_states.shape[-2], kwargs)
+            codes = {"return_codes": self.attends_on_codes()} if _can(layer, "attends_on_codes") else {}
+            keys, values = layer.update(key_states, value_states, *args, **codes, **kwargs)
+        except BaseException:
+            if later_layer:
+                self._journal.abandon(self.layers)  # the step's earlier writes go back now
+            raise
+        if hasattr(keys, "history"):  # attention on the codes: a refusal there undoes the step
+            keys.history.on_refusal = self._journal.fail
+        self._journal.stored(layer_idx)
+        return keys, values
 
     def attends_on_codes(self) -> bool:
         """Whether compressed full layers return their codes (`full_layer_code_attention`, default: the model's)."""
@@ -194,53 +244,39 @@ class HybridRingCache(Cache):
             return self.options.full_layer_code_attention
         return getattr(self.config, "_attn_implementation", None) == CODE_ATTENTION
 
-    def _check_ring_mask_was_built(self, layer_idx: int, query_length: int) -> None:
-        """Checked before any layer of a step is written (also at a full layer that comes before the first ring), so
-        a refused step leaves the cache as it was (see `mask_hook.IssuedLayouts`)."""
-        first_ring = self._first_ring
-        if first_ring is None or layer_idx > first_ring and not isinstance(self.layers[layer_idx], _RING_LAYERS):
-            return  # time-ordered layers after the first ring: the first ring already checked this step
-        ring = self.layers[max(layer_idx, first_ring)]
-        if isinstance(ring, _RING_LAYERS) and ring.needs_ring_layout(query_length):
-            step = (ring.cumulative_length, query_length)
-            self._layouts.check_served(step, getattr(self.config, "_attn_implementation", None))
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int | RingLayout]:
-        layer_idx = self._storing_layer_index(layer_idx)
-        if query_length == 0 and not is_torchdynamo_compiling():
-            refuse_empty_step(self.get_seq_length())
+    # A `RingLayout` behaves as the int transformers adds it to (`mask_hook.RingLayout`); the hook reads the rest.
+    def get_mask_sizes(  # type: ignore[override]
+        self, query_length: int, layer_idx: int
+    ) -> tuple[int, int | RingLayout]:
+        layer_idx = _storing_layer_index(self, layer_idx)
+        if not is_torchdynamo_compiling():
+            self._journal.settle(self.layers)  # masks are built before a forward's first write: undo a dead step
+            self._journal.arm()
+            if query_length == 0:
+                refuse_empty_step(self.get_seq_length())
         kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
-        layer, attention = self.layers[layer_idx], getattr(self.config, "_attn_implementation", None)
-        dense = query_length == 1 and _wants_dense_mask(self.options, self.specs[layer_idx], layer)
-        if dense and not isinstance(kv_offset, RingLayout) and not is_mask_hook_installed(attention or "sdpa"):
-            install_mask_hook()  # only a performance request, but it needs the hook to be honoured
-        # Which mask this can be, for the hook's window check (see `HeldFromOffset.sliding_request`).
-        sliding_request = not isinstance(layer, SinkWindowFullLayer) and (FULL in self.layer_kinds or None)
-        columns = layer.get_seq_length() + query_length if not is_torchdynamo_compiling() else None
-        kv_offset = annotate_offset(kv_offset, columns_needed=columns, sliding_request=sliding_request, dense=dense)
-        if isinstance(kv_offset, RingLayout) and not is_torchdynamo_compiling():
-            # Only a wrapped ring needs the hook: check now that it will be the one serving this mask.
-            check_ring_attention_supported(attention)
-            self._layouts.issue(layer_idx, (layer.cumulative_length, query_length), kv_offset)
-        return kv_length, kv_offset
+        return kv_length, _annotated_offset(self, layer_idx, query_length, kv_offset)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens held, not counting a step a failed forward left half-written (undone at the next call)."""
+        layer_idx = _storing_layer_index(self, layer_idx)
+        length = super().get_seq_length(layer_idx)
+        return length if is_torchdynamo_compiling() else length - self._journal.uncommitted(layer_idx)
 
     def key_positions(self, layer_idx: int) -> torch.Tensor:
         """Absolute position of every key layer `layer_idx` returned in the last step, in the order the attention saw
         them (`-1`: empty slot): column `j` of its attention weights belongs to position `key_positions(layer_idx)[j]`
         (see `hybrid_cache.attention_in_time_order`). KV-shared layers: pass the index of the layer they reuse."""
-        layer = self.layers[layer_idx]
-        if not hasattr(layer, "key_positions"):
-            raise ValueError(
-                f"Layer {layer_idx} is KV-shared and stores nothing; its attention uses the keys of the last storing "
-                f"layer of the same type: call key_positions() with that layer's index."
-            )
-        return layer.key_positions()
+        if not self.specs[layer_idx].stores:
+            raise ValueError(f"Layer {layer_idx} stores nothing (KV-shared): pass the index of the layer it reuses.")
+        return self.layers[layer_idx].key_positions()
 
     # --- state changes that must be all-or-nothing ------------------------------------------------------------------
+    @_settled
     def crop(self, tokens_to_remove: int) -> None:
         """Roll back tokens in every layer (negative: how many; positive, legacy: the length to keep), exactly or not
         at all: every layer is checked first, so a refused crop raises `RollbackError` and changes nothing."""
-        storing = [layer for layer in self.layers if not isinstance(layer, DummyLayer)]
+        storing = [layer for layer, spec in zip(self.layers, self.specs) if spec.stores]
         for layer in storing:
             with rollback_release_note():
                 layer.check_crop(tokens_to_remove)
@@ -250,40 +286,33 @@ class HybridRingCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self._layouts.forget()
+        _forget_step_state(self)
 
-    def activate_past_recording(self) -> None:
+    reorder_cache = _settled(Cache.reorder_cache)
+    batch_repeat_interleave = _settled(Cache.batch_repeat_interleave)
+    batch_select_indices = _settled(Cache.batch_select_indices)
+
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
         """Keep the window of each multi-token step until the next one, so that `crop` can undo it exactly (called by
-        assisted / prompt-lookup decoding). Raises `UnsupportedReleaseError` where that is not exact (`compat`)."""
+        assisted / prompt-lookup decoding; `recurrent_states_to_keep`, passed from transformers 5.25, sizes the states
+        of linear-attention layers: unused). Raises `UnsupportedReleaseError` where that is not exact (`compat`)."""
         check_rollback_supported()
+        self._assisted_start_length = int(self.get_seq_length())  # checked at the next step (see `update`)
         for layer in self.layers:
-            if hasattr(layer, "activate_past_recording"):
+            if _can(layer, "records_steps"):
                 layer.activate_past_recording()
 
     def deactivate_past_recording(self) -> None:
-        """Stop keeping the last multi-token step's window for rollbacks, and release it (the cache also does so when a
-        recorded step is not rolled back before the next one, and when a new `generate` call starts)."""
+        """Stop keeping the last multi-token step's window and release it (as at the next step or `generate` call)."""
+        self._assisted_start_length = 0
         for layer in self.layers:
-            if isinstance(layer, _RING_LAYERS):
+            if _can(layer, "records_steps"):
                 layer.deactivate_past_recording()
 
-    @property
-    def _is_user_defined(self) -> bool:
-        return getattr(self, "_user_defined_by_generate", False)
-
-    @_is_user_defined.setter
-    def _is_user_defined(self, value: bool) -> None:
-        # transformers' `generate` sets this on a cache passed in, once per call, before its first forward: a new
-        # generation starts, so recording left on by an earlier assisted generation must not copy this prefill.
-        self._user_defined_by_generate = value
+    def on_generate_start(self) -> None:
+        """Called as `generate` starts a call with this cache (`compat.notify_generate_start`): recording left on by
+        an earlier assisted generation must not copy this prefill."""
         self.deactivate_past_recording()
-
-    def _storing_layer_index(self, layer_idx: int) -> int:
-        """`layer_idx`, or the first storing layer when it stores nothing (transformers asks for layer 0, which may be
-        KV-shared or on another pipeline stage; its `Cache` base answers from the first storing layer, so do we)."""
-        if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], DummyLayer):
-            return next((i for i, layer in enumerate(self.layers) if not isinstance(layer, DummyLayer)), layer_idx)
-        return layer_idx
 
     # --- protocol additions ---------------------------------------------------------------------------------------
     def early_initialization(
@@ -301,13 +330,14 @@ class HybridRingCache(Cache):
             num_heads = kv_heads_per_rank(self.specs, num_heads, self.tp_size)
         if isinstance(head_dim, int):
             head_dim = [spec.declared_head_dim or head_dim for spec in self.specs]
-        super().early_initialization(batch_size, num_heads, head_dim, dtype, device)
+        initialize_layers_early(self.layers, batch_size, num_heads, head_dim, dtype, torch.device(device))
 
     @property
     def is_compileable(self) -> bool:
         # Compiled decode steps need static shapes and addresses: only with a fixed full-attention capacity.
         return self.max_cache_len is not None
 
+    @_settled
     def memory_report(self) -> MemoryReport:
         """Bytes held per layer type and in total (every tensor the cache keeps alive), against a full cache of every
         storing layer for the same tokens."""
@@ -315,6 +345,7 @@ class HybridRingCache(Cache):
         return memory_report(tokens, self.layer_kinds, self.layers, self._workspace.nbytes())
 
     # --- persistence and snapshots (the format lives in snapshot.py) -----------------------------------------------
+    @_settled
     def save(self, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
         """Write the cache to one safetensors file (replaced atomically) that `load` continues from exactly, with your
         `metadata` (str to str, keys not starting with `"hybrid_cache."`) in its header (`snapshot.read_metadata`)."""
@@ -324,11 +355,11 @@ class HybridRingCache(Cache):
     def load(
         cls, path: str | os.PathLike, config: PreTrainedConfig, *, device: torch.device | str | None = None
     ) -> HybridRingCache:
-        """Read a cache written by `save` for `config` (tensors on `device`, default CPU): it continues exactly as the
-        saved cache would. Raises `ValueError` naming the field when `config` does not match the file, or naming the
-        path when the file is truncated, corrupted or not a saved cache; `OSError` when it cannot be opened."""
+        """Read a cache written by `save` for `config` (tensors on `device`, default CPU), which continues exactly as
+        the saved one would; `ValueError` (naming the field, or the path and damaged part) or `OSError` otherwise."""
         return load_cache(cls, path, config, device)
 
+    @_settled
     def checkpoint(self) -> CacheCheckpoint:
         """An in-memory snapshot for `restore`: a copy of the rings and the full layers' lengths (not their history)."""
         return take_checkpoint(self)
@@ -337,7 +368,89 @@ class HybridRingCache(Cache):
         """Go back exactly to the state at `checkpoint()`, any number of times. Raises `ValueError`, changing nothing,
         for another batch size or when the full layers' tokens before it were rewritten since (`reset()`, new prompt)."""
         restore_checkpoint(self, checkpoint)
-        self._layouts.forget()  # a mask built before the restore describes another layout
+        _forget_step_state(self)  # a mask built, or a step journaled, before the restore describes another state
+
+
+def _forget_step_state(cache: HybridRingCache) -> None:
+    """The cache's state was replaced: the layouts announced and the step journaled describe another one."""
+    cache._layouts.forget()
+    cache._journal.forget()
+
+
+def _storing_layer_index(cache: HybridRingCache, layer_idx: int) -> int:
+    """`layer_idx`, or the first storing layer when it stores nothing (transformers asks for layer 0, which may be
+    KV-shared or on another pipeline stage; its `Cache` base answers from the first storing layer, so do we)."""
+    if layer_idx < len(cache.specs) and not cache.specs[layer_idx].stores:
+        return next((i for i, spec in enumerate(cache.specs) if spec.stores), layer_idx)
+    return layer_idx
+
+
+def _layer_to_update(cache: HybridRingCache, layer_idx: int) -> CacheLayerMixin:
+    """The layer `update()` writes, or raise when the cache does not hold it."""
+    if layer_idx >= len(cache.layers):
+        raise IndexError(
+            f"update() for layer {layer_idx}, but the config declares {len(cache.layers)} layers. The cache was "
+            f"built from another model's config."
+        )
+    if not cache.specs[layer_idx].stores:
+        _refuse_update_of_empty_layer(cache.specs[layer_idx])
+    return cache.layers[layer_idx]
+
+
+def _before_write(cache: HybridRingCache, layer_idx: int, query_length: int, update_kwargs: dict) -> None:
+    """Before layer `layer_idx` stores a step: a new step first undoes a dead one (`steps.py`), and every refusal the
+    step could meet after its writes is raised now, before the first one; the prepared mask's width and (first step
+    after `activate_past_recording`) the step's positions are checked at each layer."""
+    journal = cache._journal
+    check_prepared_mask_width(cache.layers[layer_idx], layer_idx, query_length, caller_depth=3)
+    if getattr(cache, "_assisted_start_length", 0):  # the first step of an assisted generate on held tokens
+        check_assisted_step_continues(cache._assisted_start_length, query_length, update_kwargs)
+        cache._assisted_start_length = 0
+    if journal.starts_step(layer_idx):
+        journal.settle(cache.layers)
+        attention = getattr(cache.config, "_attn_implementation", None)
+        if cache.options.full_layer_code_attention and attention != CODE_ATTENTION:
+            raise CodeAttentionError(
+                f"full_layer_code_attention=True, but the model's attention implementation is {attention!r}, which "
+                f"cannot read compressed codes. Select hybrid_cache's (`model.set_attn_implementation("
+                f"{CODE_ATTENTION!r})` or `with hybrid_cache.use_code_attention(model):`), or build the cache with "
+                f"full_layer_code_attention=None to follow the model."
+            )
+    _check_ring_mask_was_built(cache, layer_idx, query_length)
+    if journal.starts_step(layer_idx):
+        journal.begin(query_length)
+
+
+def _check_ring_mask_was_built(cache: HybridRingCache, layer_idx: int, query_length: int) -> None:
+    """Checked before any layer of a step is written (also at a full layer that comes before the first ring), so
+    a refused step leaves the cache as it was (see `mask_hook.IssuedLayouts`)."""
+    first_ring = cache._first_ring
+    if first_ring is None or layer_idx > first_ring and not _can(cache.layers[layer_idx], "ring_ordered"):
+        return  # time-ordered layers after the first ring: the first ring already checked this step
+    ring = cache.layers[max(layer_idx, first_ring)]
+    if _can(ring, "ring_ordered") and ring.needs_ring_layout(query_length):
+        step = (ring.cumulative_length, query_length)
+        cache._layouts.check_served(step, getattr(cache.config, "_attn_implementation", None))
+
+
+def _annotated_offset(
+    cache: HybridRingCache, layer_idx: int, query_length: int, kv_offset: int | RingLayout
+) -> int | RingLayout:
+    """`kv_offset` with what the mask hook needs to know (dense decode mask, window check, columns); a ring layout is
+    recorded as issued for this step."""
+    layer, attention = cache.layers[layer_idx], getattr(cache.config, "_attn_implementation", None)
+    dense = query_length == 1 and _wants_dense_mask(cache.options, cache.specs[layer_idx], layer)
+    if dense and not isinstance(kv_offset, RingLayout) and not is_mask_hook_installed(attention or "sdpa"):
+        install_mask_hook()  # only a performance request, but it needs the hook to be honoured
+    # Which mask this can be, for the hook's window check (see `HeldFromOffset.sliding_request`).
+    sliding_request = not _can(layer, "drops_tokens_by_design") and (FULL in cache.layer_kinds or None)
+    columns = layer.get_seq_length() + query_length if not is_torchdynamo_compiling() else None
+    kv_offset = annotate_offset(kv_offset, columns_needed=columns, sliding_request=sliding_request, dense=dense)
+    if isinstance(kv_offset, RingLayout) and not is_torchdynamo_compiling():
+        # Only a wrapped ring needs the hook: check now that it will be the one serving this mask.
+        check_ring_attention_supported(attention)
+        cache._layouts.issue(layer_idx, (layer.cumulative_length, query_length), kv_offset)
+    return kv_offset
 
 
 def _refuse_update_of_empty_layer(spec: LayerSpec) -> None:
@@ -362,39 +475,3 @@ def _wants_dense_mask(options: CacheOptions, spec: LayerSpec, layer: CacheLayerM
     device = getattr(layer, "device", None)
     grouped_query = spec.declared_kv_heads is not None and (spec.query_heads or 1) > spec.declared_kv_heads
     return device is not None and device.type == "cpu" and grouped_query
-
-
-def _upgrade_pickled_state(state: dict) -> dict:
-    """The state of a cache pickled by a release that kept its options as separate attributes (before
-    `CacheOptions`): the options read back from those attributes and the layers, the specs from the config."""
-    if "options" in state:
-        return state
-    layers = state.get("layers", [])
-
-    def first(kind: type) -> Any:
-        return next((layer for layer in layers if isinstance(layer, kind)), None)
-
-    ring, bounded, compressed = first(RingSlidingLayer), first(SinkWindowFullLayer), first(QuantizedFullLayer)
-    growing = next((layer for layer in layers if hasattr(layer, "initial_capacity")), None)
-    state["options"] = CacheOptions(
-        max_cache_len=state.pop("_max_cache_len", state.pop("max_cache_len", None)),
-        rollback_margin=getattr(ring, "rollback_margin", 0),
-        initial_capacity=getattr(growing, "initial_capacity", 0),
-        dense_decode_mask=state.pop("dense_decode_mask", None),
-        full_layer_quantization=state.pop("full_layer_quantization", None),
-        full_layer_group_size=getattr(compressed, "group_size", 64),
-        full_layer_rotation=getattr(compressed, "rotate", False),
-        full_layer_key_calibration=getattr(compressed, "key_calibration", True),
-        full_layer_window=getattr(bounded, "window", None),
-        full_layer_sink_tokens=getattr(bounded, "sink_tokens", None),
-        full_layer_code_attention=state.pop("full_layer_code_attention", None),
-    )
-    kinds = state.get("layer_kinds", [])
-    state["specs"] = [
-        replace(spec, kind=OTHER_STAGE) if kind == OTHER_STAGE else spec
-        for spec, kind in zip(layer_specs(state["config"]), kinds)
-    ]
-    for name in ("_issued_layouts", "_issued_step", "_verified_step", "_grouped_query"):
-        state.pop(name, None)
-    state["_layouts"] = IssuedLayouts()
-    return state

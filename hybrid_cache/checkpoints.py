@@ -1,5 +1,5 @@
-"""In-memory checkpoints of a `HybridRingCache` (`checkpoint` / `restore`), and `LayerState`, the counters and settings
-of one layer's state that checkpoints and the file format (`snapshot.py`) share.
+"""In-memory checkpoints of a `HybridRingCache` (`checkpoint` / `restore`), of the layers' states (`LayerState`,
+`storage.py`) that checkpoints and the file format (`snapshot.py`) share.
 
 A checkpoint copies the state of every layer that overwrites slots in place (the sliding rings, the bounded full
 layers: about `window + margin` slots each) and remembers only the length of the time-ordered full layers (exact or
@@ -12,71 +12,16 @@ in `storage.py`); the checkpoints of a cache collect those floors whenever a che
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from .specs import FULL, OTHER_STAGE, SLIDING
+from .state import LayerState, StateHolder
 from .storage import NOTHING_WRITTEN
 
-if TYPE_CHECKING:
-    from .cache import HybridRingCache
-
-__all__ = ["COUNTER_FIELDS", "CacheCheckpoint", "LayerState", "read_layer_state", "refuse_stateless_layers"]
-
-#: The counters and geometry every state has, in the order the format writes them (`StorageLayer.meta_state`).
-COUNTER_FIELDS = (
-    "kind",
-    "length",
-    "oldest",
-    "capacity",
-    "slots",
-    "batch_size",
-    "num_heads",
-    "k_head_dim",
-    "v_head_dim",
-    "dtype",
-)
-
-
-# --- one layer's state ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LayerState:
-    """The counters, geometry and storage settings of one storing layer; its content is kept beside it.
-
-    `slots` is how many slots (from slot 0) hold content worth keeping: a ring in time order (`oldest == 0`,
-    `length <= max_slots`) keeps `length`, a wrapped ring all its `max_slots` (in slot order, not time order); a full
-    layer keeps `length`. `capacity` is the allocated slot count, restored so that growth continues as it would have.
-    `settings` are the layer's `state_settings()` (empty for exact storage), as `(option, value)` pairs.
-    """
-
-    kind: str
-    length: int
-    oldest: int
-    capacity: int
-    slots: int
-    batch_size: int
-    num_heads: int
-    k_head_dim: int
-    v_head_dim: int
-    dtype: torch.dtype
-    settings: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> LayerState:
-        """The state of a layer's `meta_state()`: its counters, and every other entry as a setting."""
-        settings = tuple((name, value) for name, value in meta.items() if name not in COUNTER_FIELDS)
-        return cls(**{name: meta[name] for name in COUNTER_FIELDS}, settings=settings)
-
-    def to_json(self) -> dict[str, Any]:
-        entry = {name: getattr(self, name) for name in COUNTER_FIELDS}
-        return {**entry, "dtype": str(self.dtype), **dict(self.settings)}
-
-    def meta(self) -> dict[str, Any]:
-        """The layer's `meta_state()` this state was read from (what `load_state` takes)."""
-        return {**{name: getattr(self, name) for name in COUNTER_FIELDS}, **dict(self.settings)}
+__all__ = ["CacheCheckpoint", "read_layer_state", "refuse_stateless_layers", "restore_checkpoint", "take_checkpoint"]
 
 
 def read_layer_state(layer: Any) -> LayerState | None:
@@ -86,7 +31,7 @@ def read_layer_state(layer: Any) -> LayerState | None:
     return None if meta is None else LayerState.from_meta(meta)
 
 
-def refuse_stateless_layers(cache: HybridRingCache, action: str) -> None:
+def refuse_stateless_layers(cache: StateHolder, action: str) -> None:
     """Refuse, naming the fix, a cache whose layers do not export their state: pipeline-parallel stages
     (`stage_layers`), or a storage class without `state_kind`."""
     for index, (kind, layer) in enumerate(zip(cache.layer_kinds, cache.layers)):
@@ -104,9 +49,7 @@ def refuse_stateless_layers(cache: HybridRingCache, action: str) -> None:
 
 # --- checkpoints ------------------------------------------------------------------------------------------------
 # Live checkpoints of every cache, so that each one learns about the writes made while another was newer.
-_CHECKPOINTS: weakref.WeakKeyDictionary[HybridRingCache, weakref.WeakSet[CacheCheckpoint]] = (
-    weakref.WeakKeyDictionary()
-)
+_CHECKPOINTS: weakref.WeakKeyDictionary[StateHolder, weakref.WeakSet[CacheCheckpoint]] = weakref.WeakKeyDictionary()
 
 
 class CacheCheckpoint:
@@ -124,7 +67,7 @@ class CacheCheckpoint:
 
     def __init__(
         self,
-        cache: HybridRingCache,
+        cache: StateHolder,
         states: list[LayerState | None],
         contents: list[dict[str, torch.Tensor] | None],
     ) -> None:
@@ -157,7 +100,7 @@ class CacheCheckpoint:
         )
 
 
-def _length_restored_layers(cache: HybridRingCache) -> Iterator[tuple[int, Any]]:
+def _length_restored_layers(cache: StateHolder) -> Iterator[tuple[int, Any]]:
     """The layers a checkpoint restores by cutting back their length (time-ordered full layers)."""
     return (
         (i, layer)
@@ -166,7 +109,7 @@ def _length_restored_layers(cache: HybridRingCache) -> Iterator[tuple[int, Any]]
     )
 
 
-def _collect_write_floors(cache: HybridRingCache) -> None:
+def _collect_write_floors(cache: StateHolder) -> None:
     """Hand the time-ordered layers' write floors to every live checkpoint of `cache`, then clear them."""
     live = _CHECKPOINTS.get(cache, ())
     for index, layer in _length_restored_layers(cache):
@@ -175,11 +118,12 @@ def _collect_write_floors(cache: HybridRingCache) -> None:
             checkpoint._floors[index] = min(checkpoint._floors[index], floor)
 
 
-def take_checkpoint(cache: HybridRingCache) -> CacheCheckpoint:
+def take_checkpoint(cache: StateHolder) -> CacheCheckpoint:
     """See `HybridRingCache.checkpoint`."""
     refuse_stateless_layers(cache, "checkpoint")
     _collect_write_floors(cache)
-    states, contents = [], []
+    states: list[LayerState | None] = []
+    contents: list[dict[str, torch.Tensor] | None] = []
     for layer in cache.layers:
         state = read_layer_state(layer)
         states.append(state)
@@ -192,7 +136,7 @@ def take_checkpoint(cache: HybridRingCache) -> CacheCheckpoint:
     return checkpoint
 
 
-def _check_restorable(cache: HybridRingCache, checkpoint: CacheCheckpoint) -> None:
+def _check_restorable(cache: StateHolder, checkpoint: CacheCheckpoint) -> None:
     """Raise, naming the fix, unless `checkpoint` can be restored exactly into `cache` (nothing is changed)."""
     for index, (layer, state) in enumerate(zip(cache.layers, checkpoint._states)):
         if state is None:
@@ -223,7 +167,7 @@ def _check_restorable(cache: HybridRingCache, checkpoint: CacheCheckpoint) -> No
                 )
 
 
-def restore_checkpoint(cache: HybridRingCache, checkpoint: CacheCheckpoint) -> None:
+def restore_checkpoint(cache: StateHolder, checkpoint: CacheCheckpoint) -> None:
     """See `HybridRingCache.restore`."""
     if not isinstance(checkpoint, CacheCheckpoint):
         raise TypeError(

@@ -7,6 +7,8 @@ transformers changed and what this module does on either side of it.
 | what                                   | changed in | here                                                      |
 |----------------------------------------|------------|-----------------------------------------------------------|
 | `cache=` keyword of `generate`/forward | 5.24       | `CACHE_KEYWORD`, `cache_kwargs`, `cache_from_kwargs`       |
+| per-layer `early_initialization` lists | by 5.14    | `initialize_layers_early` (its loop, for every release)    |
+| chunked prefill on a cache holding tokens | 5.23    | `chunked_prefill_release_note` (the refusal says why)      |
 | `cache_utils.DummyLayer`               | 5.23       | `DummyLayer` (the same no-storage layer before 5.23)       |
 | config `kv_sharing_modes` (Gemma 4)    | 5.23       | `kv_sharing_modes` (from `num_kv_shared_layers` before)    |
 | `Cache.max_cache_len` assignable       | 5.20       | `HybridRingCache` keeps its own value (no change needed)   |
@@ -15,12 +17,20 @@ transformers changed and what this module does on either side of it.
 | assisted / prompt-lookup after the wrap| 5.18       | `ROLLBACK_SINCE`, `check_rollback_supported`               |
 | `DynamicCache` sliding crop past window| 5.15       | `DYNAMIC_SLIDING_CROP_SINCE` (tests' reference only)       |
 | Gemma 4 KV sharing without a cache     | 5.5.2      | `no_cache_forward_is_exact` (tests' oracle only)           |
+| `generate` marks a cache passed in     | by 5.17    | `notify_generate_start` (the private `_is_user_defined`)   |
+| attention passes positions to `update` | 5.24       | `STEP_POSITIONS_SINCE`: before, a reused cache's first    |
+|                                        |            | assisted multi-token step is refused (cannot be checked)  |
+| `activate_past_recording(recurrent_states_to_keep=)` | 5.25 | accepted; attention layers keep no recurrent state |
+
+And one defect of every supported release, refused here: assisted / prompt-lookup decoding on a cache that already
+holds the conversation feeds it all again (`check_assisted_step_continues`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,24 +38,30 @@ import transformers
 from packaging.version import Version
 from transformers import cache_utils
 
-from .errors import RollbackError, UnsupportedReleaseError
+from .errors import ConversationMismatchError, RollbackError, UnsupportedReleaseError
 
 __all__ = [
     "CACHE_KEYWORD",
     "CACHE_KEYWORD_SINCE",
+    "CHUNKED_PREFILL_CONTINUES_SINCE",
     "OLDEST_SUPPORTED",
     "DYNAMIC_SLIDING_CROP_SINCE",
     "PAST_RECORDING_SINCE",
     "ROLLBACK_SINCE",
+    "STEP_POSITIONS_SINCE",
     "TRANSFORMERS_VERSION",
     "CacheLayerMixin",
     "DummyLayer",
     "UnsupportedReleaseError",
     "cache_from_kwargs",
     "cache_kwargs",
+    "check_assisted_step_continues",
     "check_rollback_supported",
+    "chunked_prefill_release_note",
+    "initialize_layers_early",
     "kv_sharing_modes",
     "no_cache_forward_is_exact",
+    "notify_generate_start",
     "rollback_release_note",
     "rollback_supported",
 ]
@@ -57,6 +73,8 @@ ROLLBACK_SINCE = Version("5.18")
 PAST_RECORDING_SINCE = Version("5.14")
 _NO_CACHE_KV_SHARING_SINCE = Version("5.5.2")
 DYNAMIC_SLIDING_CROP_SINCE = Version("5.15")
+CHUNKED_PREFILL_CONTINUES_SINCE = Version("5.23")
+STEP_POSITIONS_SINCE = Version("5.24")
 _DUMMY_LAYER_SINCE = Version("5.23")
 
 
@@ -125,7 +143,9 @@ else:
             self.keys = None
             self.values = None
 
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[None, None]:
             if key_states is None and value_states is None:
                 return None, None
             raise NotImplementedError("A DummyLayer stores no cache: it cannot be updated.")
@@ -218,3 +238,127 @@ def check_rollback_supported(what: str = "assisted / prompt-lookup decoding") ->
             f"{transformers.__version__} cannot run it exactly once the sliding-window ring has wrapped. Upgrade "
             f"transformers, or use DynamicCache for this generation."
         )
+
+
+#: The attribute transformers' `generate` sets on a cache passed in, once per call before its first forward
+#: (`GenerationMixin._prepare_cache_for_generation`; set by 5.17, not yet in 5.14, where past recording, the only
+#: state a new call resets, is refused anyway): the only sign a new call started.
+GENERATE_START_ATTRIBUTE = "_is_user_defined"
+
+
+def notify_generate_start(cls: type) -> type:
+    """Class decorator: `generate` calls `instance.on_generate_start()` each time it starts a call with an instance of
+    `cls` passed in (through its assignment of `GENERATE_START_ATTRIBUTE`, which reads back as assigned)."""
+
+    def assigned(self: Any) -> bool:
+        return self.__dict__.get("_generate_start_value", False)
+
+    def assign(self: Any, value: bool) -> None:
+        _refuse_chunked_prefill_on_held_tokens(self, sys._getframe(1).f_locals.get("generation_config"))
+        self.__dict__["_generate_start_value"] = value
+        self.on_generate_start()
+
+    setattr(cls, GENERATE_START_ATTRIBUTE, property(assigned, assign))
+    return cls
+
+
+def _refuse_chunked_prefill_on_held_tokens(cache: Any, generation_config: Any) -> None:
+    """Before 5.23, `generate(prefill_chunk_size=...)` feeds a cache that holds tokens the conversation again from its
+    first token; from 5.17 it also drops an all-ones attention mask first, so no mask shows the mismatch (on earlier
+    releases the short mask is refused, `chunked_prefill_release_note`). Refused as the call starts, before any
+    write. `generation_config`: the local of the `generate` frame that marks the cache (None: not from `generate`)."""
+    if TRANSFORMERS_VERSION >= CHUNKED_PREFILL_CONTINUES_SINCE:
+        return
+    held = cache.get_seq_length()
+    if held and getattr(generation_config, "prefill_chunk_size", None):
+        raise ConversationMismatchError(
+            f"generate(prefill_chunk_size=...) on a cache that already holds {held} tokens: transformers "
+            f"{transformers.__version__} feeds such a cache the whole conversation again, from its first token (every "
+            f"cache, DynamicCache included, then holds the earlier turns twice and continues wrong); from "
+            f"{CHUNKED_PREFILL_CONTINUES_SINCE} it continues it. Nothing was written. Upgrade transformers, or leave "
+            f"`prefill_chunk_size` out of the later turns."
+        )
+
+
+# --- assisted decoding on a reused cache ----------------------------------------------------------------------------
+def check_assisted_step_continues(cached_tokens: int, query_length: int, update_kwargs: Mapping[str, Any]) -> None:
+    """Refuse the first step of an assisted / prompt-lookup `generate` that feeds the cached tokens again.
+
+    transformers' `_assisted_decoding` runs its first target forward on the whole `input_ids` plus the draft
+    (`next_sequence_length=None`), never cut by the cache length as `_prefill` cuts a plain `generate`'s prompt; its
+    position ids come from the attention mask, so they start at 0. On a cache that holds the conversation's earlier
+    turns (multi-turn reuse), the step appends the whole conversation after it: every cache, `DynamicCache` included,
+    then holds the earlier tokens twice and continues wrong, silently at batch size 1 (the only one assisted decoding
+    takes) where `generate` drops the all-ones mask. Seen from the cache: the step's newest position is below its own
+    length, so its tokens start at position 0 although `cached_tokens` are held. (A `generate` given only the new
+    tokens with the whole conversation's mask continues at the cached length and passes.)
+
+    Called by the cache before the first write of the first step after `activate_past_recording` on a cache that held
+    tokens. `update_kwargs`: the keyword arguments of `Cache.update` (the attention passes `kwargs={"position_ids":
+    ...}`); without position ids it is refused on releases whose attention passes none (a multi-token step), and
+    not checked on later ones (a direct call).
+    """
+    inner = update_kwargs.get("kwargs")
+    position_ids = inner.get("position_ids") if isinstance(inner, Mapping) else update_kwargs.get("position_ids")
+    if cached_tokens > 0 and query_length > 1 and position_ids is None and TRANSFORMERS_VERSION < STEP_POSITIONS_SINCE:
+        raise ConversationMismatchError(
+            f"This assisted / prompt-lookup step feeds {query_length} tokens to a cache that already holds "
+            f"{cached_tokens} tokens. transformers {transformers.__version__} does not pass the step's positions to "
+            f"the cache (from {STEP_POSITIONS_SINCE} it does), so a conversation continued here cannot be told from "
+            f"one fed again from its first token, which its assisted decoding does on the first step of a reused "
+            f"cache (every cache, DynamicCache included, then continues wrong). Nothing was written. Generate this "
+            f"turn without `assistant_model` / `prompt_lookup_num_tokens`, or start from a new cache (or "
+            f"`cache.reset()`) with the whole conversation as the prompt, or upgrade transformers to "
+            f">= {STEP_POSITIONS_SINCE}."
+        )
+    if cached_tokens <= 0 or not isinstance(position_ids, torch.Tensor) or position_ids.numel() == 0:
+        return
+    newest = int(position_ids[..., -1].max())
+    if newest + 1 <= query_length:
+        raise ConversationMismatchError(
+            f"This step feeds {query_length} tokens at positions up to {newest} to a cache that already holds "
+            f"{cached_tokens} tokens: it starts the conversation over instead of continuing it. transformers' "
+            f"assisted / prompt-lookup decoding does this on its first step (it feeds the whole prompt plus the draft "
+            f"again, not cut by the cache length as a plain `generate` is; every cache, DynamicCache included, would "
+            f"then hold the earlier turns twice and continue wrong). Nothing was written. To continue a conversation "
+            f"held in this cache, generate this turn without `assistant_model` / `prompt_lookup_num_tokens`; to use "
+            f"them, start from a new cache (or `cache.reset()`) with the whole conversation as the prompt."
+        )
+
+
+# --- chunked prefill on a cache that holds a conversation -----------------------------------------------------------
+def chunked_prefill_release_note() -> str:
+    """What a refused short attention mask adds on releases whose chunked prefill (`generate(prefill_chunk_size=...)`)
+    feeds a cache that already holds tokens the whole conversation again, from its first token, with the mask cut to
+    each chunk (fixed in 5.23; `DynamicCache` then silently attends over the repeated tokens twice)."""
+    if TRANSFORMERS_VERSION >= CHUNKED_PREFILL_CONTINUES_SINCE:
+        return ""
+    return (
+        f" (If this came from `generate(prefill_chunk_size=...)` on a cache that already holds tokens: transformers "
+        f"{transformers.__version__} feeds such a cache the whole conversation again, from its first token; from "
+        f"{CHUNKED_PREFILL_CONTINUES_SINCE} it continues it. Upgrade transformers, or leave `prefill_chunk_size` out "
+        f"of the later turns.)"
+    )
+
+
+# --- early initialization -------------------------------------------------------------------------------------------
+def initialize_layers_early(
+    layers: Sequence[Any],
+    batch_size: int,
+    num_heads: Sequence[int | None],
+    head_dim: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Allocate each layer that can be allocated ahead of time with its own `num_heads[i]` / `head_dim[i]`: the loop of
+    transformers' `Cache.early_initialization` from 5.23, which 5.5-5.22 lack (they take one int for every layer)."""
+    if len(num_heads) != len(layers) or len(head_dim) != len(layers):
+        raise ValueError(
+            f"early_initialization takes one num_heads and one head_dim per layer ({len(layers)} layers), or an int; "
+            f"got lists of {len(num_heads)} and {len(head_dim)}."
+        )
+    for layer, heads, size in zip(layers, num_heads, head_dim):
+        if heads is None or not getattr(layer, "supports_early_init", True) or layer.is_initialized:
+            continue  # None: a layer that stores nothing (KV-shared)
+        empty = torch.zeros((batch_size, heads, 0, size), dtype=dtype, device=device)
+        layer.lazy_initialization(empty, empty)

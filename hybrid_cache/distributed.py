@@ -57,7 +57,8 @@ def check_parallel_config(config: Any, stage_layers: Iterable[int] | None) -> in
 
 
 def pipeline_layer_range(stage: int, num_stages: int, num_layers: int) -> range:
-    """The decoder layers transformers gives pipeline stage `stage` of `num_stages` (remainder to the first stages).
+    """The decoder layers transformers gives pipeline stage `stage` of `num_stages` (contiguous, in order; the
+    remainder goes to the first stages by 5.24, to the last one in 5.18).
 
     Computed by transformers' own `PipelineStage.layer_range_for_rank`, so the split follows transformers if it
     changes (its code plans to balance stages by layer type).
@@ -74,7 +75,9 @@ def pipeline_layer_range(stage: int, num_stages: int, num_layers: int) -> range:
             f"which transformers {TRANSFORMERS_VERSION} does not have; upgrade transformers or use one stage."
         ) from error
 
-    start, end = PipelineStage.layer_range_for_rank(SimpleNamespace(pp_size=num_stages), stage, num_layers)
+    # The method reads only `self.pp_size`; a real `PipelineStage` would need a process group, hence the stand-in.
+    stand_in = SimpleNamespace(pp_size=num_stages)
+    start, end = PipelineStage.layer_range_for_rank(stand_in, stage, num_layers)  # type: ignore[arg-type]
     return range(start, end)
 
 
@@ -112,6 +115,11 @@ def restrict_to_stage(cache: Cache, layers: Iterable[int]) -> Cache:
     it, a later stage sizes its masks from layers it never updates and its results differ from one process (see
     docs/distributed.md). `HybridRingCache` does this itself (`HybridRingCache.for_model(model)`).
     """
+    if getattr(cache, "holds_its_stage", False):
+        raise TypeError(
+            f"restrict_to_stage is for transformers' own caches; a {type(cache).__name__} holds its stage's layers "
+            f"itself: build it with `HybridRingCache.for_model(model)` (or `stage_layers=`) instead."
+        )
     if not cache.layers:
         raise ValueError(
             "restrict_to_stage needs a cache built with its layers (`DynamicCache(config=model.config)`)."

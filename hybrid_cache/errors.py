@@ -9,6 +9,8 @@ __all__ = [
     "CodeKernelError",
     "ConversationMismatchError",
     "HybridCacheError",
+    "IncompleteStepError",
+    "PreparedMaskError",
     "RollbackError",
     "UnsupportedAttentionError",
     "UnsupportedReleaseError",
@@ -41,6 +43,11 @@ class ConversationMismatchError(HybridCacheError, ValueError):
     attention mask (or the inputs `generate` sliced from it) does not cover the cached tokens followed by new ones."""
 
 
+class PreparedMaskError(HybridCacheError, RuntimeError):
+    """A prepared attention mask (4D, or a dict of them, built outside this step's mask creation) does not fit the keys
+    the cache returns for this step: another width, or a wrapped ring's slot layout no mask was built for."""
+
+
 class CodeAttentionError(HybridCacheError, RuntimeError):
     """A compressed layer's `CompressedKV` handle reached code that is not hybrid_cache's code-domain attention."""
 
@@ -52,3 +59,8 @@ class CodeKernelError(HybridCacheError, RuntimeError):
 
 class UnsupportedReleaseError(HybridCacheError, RuntimeError):
     """A feature the installed transformers release cannot run exactly; the message names the release that can."""
+
+
+class IncompleteStepError(HybridCacheError, RuntimeError):
+    """A forward failed after some layers stored its step, and the step cannot be taken back exactly (`steps.py`);
+    the cache refuses every use until `reset`, `restore` or `load_into` replaces its state."""

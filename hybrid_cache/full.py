@@ -5,7 +5,7 @@ preallocated, compileable buffer of `max_cache_len` slots (`StaticFullLayer`). B
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.utils import is_torchdynamo_compiling
@@ -23,7 +23,15 @@ from .storage import (
 __all__ = ["FixedCapacityCounters", "GrowableFullLayer", "StaticFullLayer"]
 
 
-class FixedCapacityCounters:
+if TYPE_CHECKING:
+    # A mixin for `StorageLayer` subclasses: the type checker sees the layer it is mixed into (its `_allocate`,
+    # `device`, `storage_tensors`); at run time it stays a plain mixin placed before that layer in the bases.
+    _MixedInto = StorageLayer
+else:
+    _MixedInto = object
+
+
+class FixedCapacityCounters(_MixedInto):
     """The tensor counters of a fixed-capacity layer (for `torch.compile`): its length and its write floor live in
     0-d tensors, so compiled steps never specialize on a Python integer. Mixed into a `StorageLayer` subclass, before
     it in the bases; the layer calls `init_counters(max_cache_len)` in `__init__` and `allocate_fixed(...)` from its
@@ -32,6 +40,9 @@ class FixedCapacityCounters:
     cumulative_length = tensor_counter("length_tensor")
     write_floor = tensor_counter("floor_tensor")
     _counter_names = ("length_tensor", "floor_tensor")
+    max_cache_len: int
+    length_tensor: torch.Tensor
+    floor_tensor: torch.Tensor
 
     def init_counters(self, max_cache_len: int) -> None:
         if max_cache_len < 1:
@@ -83,7 +94,7 @@ class GrowableFullLayer(StorageLayer):
         return capacity_after_decoding(max(self.initial_capacity, prompt_length), total_length)
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tokens; return all tokens so far (`[batch, kv_heads, length, head_dim]` views)."""
         self._prepare(key_states, value_states)
@@ -110,9 +121,9 @@ class GrowableFullLayer(StorageLayer):
         # Only the held tokens matter; select them alone so a beam step costs O(length), not O(capacity).
         if self.is_initialized:
             self._make_writable()
-            length, beam_idx = self.cumulative_length, beam_idx.to(self.device)
-            self.keys[:, :, :length] = self.keys[:, :, :length].index_select(0, beam_idx)
-            self.values[:, :, :length] = self.values[:, :, :length].index_select(0, beam_idx)
+            length, beam = self.cumulative_length, beam_idx.to(self.device)
+            self.keys[:, :, :length] = self.keys[:, :, :length].index_select(0, beam)
+            self.values[:, :, :length] = self.values[:, :, :length].index_select(0, beam)
             self.note_write(0)
 
 
@@ -139,7 +150,7 @@ class StaticFullLayer(FixedCapacityCounters, StorageLayer):
         self.allocate_fixed(key_states, value_states)
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         query_length = key_states.shape[-2]
         if not is_torchdynamo_compiling():  # shape checks read the counters: eager only

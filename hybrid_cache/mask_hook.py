@@ -33,8 +33,10 @@ The hook is installed by `HybridRingCache` itself (on construction and on unpick
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 from transformers.masking_utils import (
@@ -45,7 +47,8 @@ from transformers.masking_utils import (
 from transformers.utils import is_torchdynamo_compiling
 
 from .code_attention import CODE_ATTENTION
-from .errors import ConversationMismatchError, UnsupportedAttentionError, WindowMismatchError
+from .compat import chunked_prefill_release_note
+from .errors import ConversationMismatchError, PreparedMaskError, UnsupportedAttentionError, WindowMismatchError
 from .specs import declared_window
 
 __all__ = [
@@ -55,10 +58,12 @@ __all__ = [
     "DenseMaskRequest",
     "HeldFromOffset",
     "IssuedLayouts",
+    "PreparedMaskError",
     "RingLayout",
     "UnsupportedAttentionError",
     "WindowMismatchError",
     "annotate_offset",
+    "check_prepared_mask_width",
     "check_ring_attention_supported",
     "install_mask_hook",
     "is_mask_hook_installed",
@@ -236,7 +241,7 @@ def _check_window(
     device, local_size = request.get("device", "cpu"), request.get("local_size")
 
     def visible(position: int, padding: torch.Tensor | None) -> torch.Tensor:  # [batch, q]
-        return sdpa_mask(
+        mask = sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
             kv_length=1,
@@ -247,7 +252,9 @@ def _check_window(
             allow_is_causal_skip=False,
             use_vmap=request.get("use_vmap", False),
             device=device,
-        )[:, 0, :, 0]
+        )
+        assert mask is not None  # no skip allowed (causal, bidirectional): sdpa_mask materializes the mask
+        return mask[:, 0, :, 0]
 
     violation = visible(missing, padding_mask)
     if padding_mask is not None:  # padding queries see nothing that a real token reads: ignore them
@@ -267,7 +274,15 @@ def _check_window(
         )
 
 
-def _check_held_from(kv_offset: HeldFromOffset, batch_size, q_length, q_offset, mask_function, attention_mask, kwargs):
+def _check_held_from(
+    kv_offset: HeldFromOffset,
+    batch_size: int,
+    q_length: int,
+    q_offset: int,
+    mask_function: Callable,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> None:
     """`_check_window` for a time-ordered multi-token step of a ring that returns no position before `kv_offset`
     (skipped while compiling: eager steps were checked)."""
     if is_torchdynamo_compiling():
@@ -298,13 +313,22 @@ def _check_mask_covers_cache(kv_offset: CacheOffset | RingLayout, attention_mask
             f"tokens before this step: it needs {needed} columns (the cached tokens followed "
             f"by this step's). A cache holds one conversation: to continue it, pass the whole conversation (the "
             f"cached tokens, then the new ones) with its attention mask; to start another, pass a new "
-            f"`HybridRingCache(model.config)` or call `cache.reset()` first."
+            f"`HybridRingCache(model.config)` or call `cache.reset()` first.{chunked_prefill_release_note()}"
         )
 
 
+_Offset = TypeVar("_Offset")
+
+
 def _checked_offset(
-    kv_offset, batch_size, q_length, q_offset, mask_function, attention_mask, kwargs
-) -> int | RingLayout | object:
+    kv_offset: _Offset,
+    batch_size: int | None,
+    q_length: int | None,
+    q_offset: int,
+    mask_function: Callable,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> _Offset | int:
     """The checks every offset from `HybridRingCache` gets before a mask is built (the 2D mask covers the cache, the
     model's window fits what a multi-token step returns); a `CacheOffset` comes back as the plain integer, anything
     else unchanged. The window check needs the call's sizes: skipped when they were passed positionally (None)."""
@@ -326,8 +350,8 @@ def _make_ring_aware(original: Callable) -> Callable:
         kv_offset: int | RingLayout = 0,
         mask_function: Callable = causal_mask_function,
         attention_mask: torch.Tensor | None = None,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> Any:
         if isinstance(kv_offset, DenseMaskRequest):
             kwargs["allow_is_causal_skip"] = False
         kv_offset = _checked_offset(kv_offset, batch_size, q_length, q_offset, mask_function, attention_mask, kwargs)
@@ -391,7 +415,7 @@ def _make_ring_aware(original: Callable) -> Callable:
 def _make_guard(original: Callable, name: str) -> Callable:
     """Wrap a mask function that cannot serve a ring layout so it fails loudly instead of silently."""
 
-    def guarded_mask(*args, **kwargs):
+    def guarded_mask(*args: Any, **kwargs: Any) -> Any:
         kv_offset = kwargs.get("kv_offset")
         if "kv_offset" in kwargs:
             kwargs["kv_offset"] = _checked_offset(
@@ -428,7 +452,9 @@ def install_mask_hook() -> None:
     this call keeps working for every cache other than `HybridRingCache`, and serves it too.
     """
     with _install_lock:
-        for name, function in list(AttentionMaskInterface._global_mapping.items()):
+        for name, registered in list(AttentionMaskInterface._global_mapping.items()):
+            # transformers' table is inferred as `dict[str, function]` (builtins.function, which mypy cannot call).
+            function = cast(Callable[..., Any], registered)
             if hasattr(function, _HOOK_MARKER):
                 continue
             if name in SUPPORTED_ATTN_IMPLEMENTATIONS:
@@ -462,7 +488,7 @@ def check_ring_attention_supported(attn_implementation: str | None) -> None:
 
 
 def annotate_offset(
-    kv_offset: int | RingLayout, *, columns_needed: int, sliding_request: bool | None, dense: bool
+    kv_offset: int | RingLayout, *, columns_needed: int | None, sliding_request: bool | None, dense: bool
 ) -> int | RingLayout:
     """What a `HybridRingCache` answers as `kv_offset` for transformers' mask creation: `kv_offset` itself, or, to be
     checked by the hook, a `CacheOffset` carrying `columns_needed` (a `DenseMaskRequest` when `dense`, for a
@@ -509,7 +535,7 @@ class IssuedLayouts:
         check_ring_attention_supported(attn_implementation)
         layouts, self._layouts = self._layouts, {}  # checked once; do not keep their tensors alive
         if not layouts or not all(layout.served for layout in layouts.values()) or self._step != step:
-            raise RuntimeError(
+            raise PreparedMaskError(
                 "HybridRingCache's sliding-window ring has wrapped, but no attention mask was built for its slot "
                 "layout in this forward pass (the model was given a prepared 4D attention mask, or its attention "
                 "does not use transformers' mask functions). Pass a 2D attention mask (or none) so the model builds "
@@ -527,3 +553,35 @@ def refuse_empty_step(cached_tokens: int) -> None:
         f"continue it, pass the whole conversation (the cached tokens, then the new ones); to start another, "
         f"pass a new `HybridRingCache(model.config)` or call `cache.reset()` first."
     )
+
+
+def check_prepared_mask_width(layer: Any, layer_idx: int, query_length: int, caller_depth: int = 2) -> None:
+    """Refuse a step whose prepared 4D attention mask does not have the width of the keys `layer` will return for it,
+    before the layer writes anything (`PreparedMaskError`, naming both widths).
+
+    transformers hands a prepared mask (a 4D tensor, or a dict of them per layer type, passed as `attention_mask`)
+    straight to the attention: neither the mask creation nor the cache sees it, and a wrong width ends in a bare
+    tensor-shape error inside attention, or, for a width of 1, in a silent broadcast. The attention module passes
+    its mask to the attention function, not to `cache.update`, so it is read from the calling frame's local
+    `attention_mask` (`caller_depth` frames up from here: the attention forward that called `update`); when the caller
+    has no such local (a model that updates the cache elsewhere), nothing is checked. Masks built by the hook have the
+    right width by construction; only a tensor `[..., kv_length]` is compared (flex attention's `BlockMask` is not).
+    """
+    if is_torchdynamo_compiling():
+        return
+    try:
+        mask = sys._getframe(caller_depth).f_locals.get("attention_mask")
+    except ValueError:  # fewer frames than that: not called from an attention module
+        return
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 4:
+        return
+    kv_length = layer.get_mask_sizes(query_length)[0]
+    if mask.shape[-1] != int(kv_length):
+        raise PreparedMaskError(
+            f"Layer {layer_idx} was given a prepared attention mask {mask.shape[-1]} keys wide, but HybridRingCache "
+            f"returns {int(kv_length)} keys for this step of {query_length} token(s) (a sliding-window ring returns "
+            f"at most its window, in its own slot order once wrapped; a mask prepared for another cache, or for this "
+            f"one before a crop / reset / restore, does not fit). Nothing was written by this layer. Pass a 2D "
+            f"attention mask (or none) so the model builds the masks for this cache, or build the prepared masks "
+            f"from this cache right before the step (`create_masks_for_generate(..., cache=cache)`)."
+        )

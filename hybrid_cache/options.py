@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .code_attention import CODE_ATTENTION_MODES
-from .quantized import QUANTIZATION_MODES
+from .frozen import Frozen
+from .quantizer import QUANTIZATION_MODES
 
 __all__ = ["CacheOptions"]
 
@@ -17,8 +18,8 @@ __all__ = ["CacheOptions"]
 DEFAULT_SINK_TOKENS = 4
 
 
-@dataclass(frozen=True)
-class CacheOptions:
+@dataclass(unsafe_hash=True, kw_only=True)
+class CacheOptions(Frozen):
     """The storage options of `HybridRingCache` (its keyword arguments besides `config` and `stage_layers`),
     validated together on construction.
 
@@ -64,6 +65,10 @@ class CacheOptions:
 
     Raises:
         ValueError: an unknown quantization mode, or options that cannot be combined (the message names the fix).
+
+    Built by keyword only (`HybridRingCache` passes each of its options by name; the file format writes and reads
+    every field by name, `snapshot.py`). Fixed at construction (`frozen.Frozen`: exporters may assign a field its own
+    value, nothing else).
     """
 
     max_cache_len: int | None = None

@@ -44,15 +44,16 @@ default (`CacheOptions.full_layer_rotation`) turns it on for int4 only; the laye
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from transformers.utils import is_torchdynamo_compiling
 
 from .code_attention import CODE_ATTENTION_MODES, MAX_CODE_QUERY_LENGTH, CompressedHistory, CompressedKV
+from .code_path import codes_preferred
 from .full import FixedCapacityCounters
-from .quantizer import CALIBRATION_FLOOR, DEFAULT_GROUP_SIZE, QUANTIZATION_MODES, KVQuantizer, hadamard_matrix
+from .quantizer import DEFAULT_GROUP_SIZE, QUANTIZATION_MODES, KVQuantizer
 from .storage import (
     GROWTH_FACTOR,
     StorageLayer,
@@ -62,18 +63,7 @@ from .storage import (
     writable,
 )
 
-__all__ = [
-    "CALIBRATION_FLOOR",
-    "DEFAULT_GROUP_SIZE",
-    "QUANTIZATION_MODES",
-    "DequantWorkspace",
-    "KVQuantizer",
-    "QuantizedFullLayer",
-    "StaticQuantizedFullLayer",
-]
-
-# `tests/test_quantized.py` reads the rotation under its earlier name.
-_hadamard = hadamard_matrix
+__all__ = ["DequantWorkspace", "QuantizedFullLayer", "StaticQuantizedFullLayer"]
 
 
 class DequantWorkspace:
@@ -132,12 +122,13 @@ class QuantizedFullLayer(StorageLayer):
         rotate (`bool`, defaults to False): Hadamard rotation within groups.
         initial_capacity (`int`, defaults to 0): slots allocated at the first update (or the prompt length if larger).
 
-    Example (head size 1 is too small to show grouping; see tests/test_quantized.py): `int8`, prefill `[1.0, -2.0]`
+    Example (head size 1 is too small to show grouping; see tests/core/test_quantized.py): `int8`, prefill `[1.0, -2.0]`
     -> codes `[64, -127]` with scale `2/127` per token (one group) -> update returns `[1.0, -2.0]` exact for this step,
     `[1.0 +- 0.008, -2.0]` dequantized at the next.
     """
 
     is_sliding = False
+    attends_on_codes = True
 
     def __init__(
         self,
@@ -211,7 +202,7 @@ class QuantizedFullLayer(StorageLayer):
     def _calibration_tensors(self) -> list[torch.Tensor]:
         return [tensor for pair in self._calibration.values() for tensor in pair]
 
-    def _map_storage(self, function) -> None:
+    def _map_storage(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for store in (self._codes, self._scales):
             for role in store:
                 store[role] = function(store[role])
@@ -280,7 +271,12 @@ class QuantizedFullLayer(StorageLayer):
         return out
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, return_codes: bool = False, **kwargs
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *args: Any,
+        return_codes: bool = False,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens compressed; return `[batch, kv_heads, length, head_dim]` keys/values in model dtype
         (history dequantized, this step's tokens exact), valid until the next compressed layer's update.
@@ -308,9 +304,25 @@ class QuantizedFullLayer(StorageLayer):
         return keys, values
 
     # --- attention on the codes ------------------------------------------------------------------------------------
+    def stored_codes(self, role: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes and group scales `role` ("keys" / "values") is stored in (whole buffers, past the length too)."""
+        return self._codes[role], self._scales[role]
+
+    def empty_like(self) -> QuantizedFullLayer:
+        """An empty growing layer with this one's codec settings (and a workspace of its own)."""
+        return QuantizedFullLayer(
+            self.mode, DequantWorkspace(), self.group_size, self.rotate, key_calibration=self.key_calibration
+        )
+
     def uses_codes(self, history_length: int, query_length: int) -> bool:
-        """Whether a step of `query_length` tokens after `history_length` stored ones can attend on the codes."""
-        return self.mode in CODE_ATTENTION_MODES and history_length > 0 and query_length <= self.code_max_query_length
+        """Whether a step of `query_length` tokens after `history_length` stored ones attends on the codes: where it
+        can, and where that is not slower than dequantizing (`code_path.codes_preferred`)."""
+        return (
+            self.mode in CODE_ATTENTION_MODES
+            and history_length > 0
+            and query_length <= self.code_max_query_length
+            and codes_preferred(self)
+        )
 
     def compressed_history(
         self, length: int, key_states: torch.Tensor, value_states: torch.Tensor
@@ -365,7 +377,7 @@ class QuantizedFullLayer(StorageLayer):
 
     def state_layout(self, meta: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         rows = (meta["batch_size"], meta["num_heads"])
-        layout = {}
+        layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for prefix, head_dim in (("key", meta["k_head_dim"]), ("value", meta["v_head_dim"])):
             quantizer = KVQuantizer(self.mode, head_dim, self.group_size, self.rotate)
             layout[f"{prefix}_codes"] = ((*rows, meta["slots"], quantizer.packed_dim), quantizer.storage_dtype)
@@ -374,7 +386,9 @@ class QuantizedFullLayer(StorageLayer):
             layout["key_shift"] = layout["key_scale"] = ((*rows, 1, meta["k_head_dim"]), meta["dtype"])
         return layout
 
-    def load_state(self, meta: Mapping[str, Any], **tensors: torch.Tensor) -> None:
+    # Its state is its codes, scales and calibration by name (`state_layout`), not `keys` / `values`: every caller
+    # passes `**state()` as the base class documents, so the narrower base signature never applies here.
+    def load_state(self, meta: Mapping[str, Any], **tensors: torch.Tensor) -> None:  # type: ignore[override]
         """Hold exactly the state `meta` from the tensors of `state()` (same names), reallocating through
         `lazy_initialization` unless allocated for it already (in place: static addresses stay)."""
         device = tensors["key_codes"].device
@@ -404,6 +418,7 @@ class StaticQuantizedFullLayer(FixedCapacityCounters, QuantizedFullLayer):
     """
 
     is_compileable = True
+    attends_on_codes = False  # compiled steps keep the dequantizing path (fixed shapes)
 
     def __init__(
         self,
@@ -424,7 +439,7 @@ class StaticQuantizedFullLayer(FixedCapacityCounters, QuantizedFullLayer):
             self.workspace.view(role, shape, self.dtype, self.device, exact=True)
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         query_length = key_states.shape[-2]
         if not is_torchdynamo_compiling():  # shape checks read the counter: eager only

@@ -1,5 +1,6 @@
 """Sliding-window storage: a ring buffer of `sliding_window + rollback_margin` slots (`RingSlidingLayer`) and its
-compileable variant with static addresses and tensor counters (`StaticRingSlidingLayer`).
+compileable variant with static addresses and tensor counters (`StaticRingSlidingLayer`), on `UndoableStepLayer`, the
+base of every layer that overwrites slots in place (also `streaming.SinkWindowFullLayer`).
 
 A ring of `capacity` slots keeps position `p` in slot `p % capacity`; `_oldest` is the lowest position still held, so
 the ring holds positions `[_oldest, length)`.
@@ -8,7 +9,7 @@ the ring holds positions `[_oldest, length)`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 from transformers.utils import is_torchdynamo_compiling
@@ -16,21 +17,115 @@ from transformers.utils import is_torchdynamo_compiling
 from .errors import RollbackError
 from .mask_hook import HeldFromOffset, RingLayout
 from .storage import (
-    UndoableStepLayer,
+    StorageLayer,
     capacity_after_decoding,
     mark_static,
     refuse_static_autograd,
     resolve_crop_length,
     tensor_counter,
+    writable,
 )
 
-__all__ = ["RingSlidingLayer", "RingStepUndo", "StaticRingSlidingLayer", "ring_slots"]
+__all__ = ["RingSlidingLayer", "RingStepUndo", "StaticRingSlidingLayer", "UndoableStepLayer", "ring_slots"]
 
 
 def ring_slots(length: int, oldest: int, max_slots: int) -> int:
     """Slots of a ring worth keeping: `[0, length)` while in time order (`oldest == 0`, `length <= max_slots`), else
     every slot (in slot order, not time order)."""
     return length if oldest == 0 and length <= max_slots else max_slots
+
+
+UndoT = TypeVar("UndoT")  # what undoes a layer's last step (`ring.RingStepUndo`, `streaming.SinkWindowStepUndo`)
+
+
+class UndoableStepLayer(StorageLayer, Generic[UndoT]):
+    """A layer whose slots are overwritten in place (a ring), and which may therefore keep a copy to undo its last
+    speculative step (`_undo`, while past recording is on). Every crop is planned first by `_crop_plan` (raising
+    before anything changes) and then applied, undoing the kept step through `_undo_step` where the plan says so.
+    Any batch reshuffle drops the copy: it was kept in the old batch order, so a later rollback must not restore it.
+
+    Subclasses keep `_oldest` (the lowest overwritable position still held) and `max_slots` (slots allocated).
+    """
+
+    _undo: UndoT | None = None
+    restores_by_length = False  # slots are overwritten in place: a checkpoint copies them
+    ring_ordered = True
+    records_steps = True
+
+    def load_state(self, meta: Mapping[str, Any], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """As `StorageLayer.load_state`, and the slots past the state's are zeroed: a ring's unused slots hold
+        nothing, as in the layer that was saved."""
+        super().load_state(meta, keys, values)
+        with writable(self.keys):
+            self.keys[:, :, meta["slots"] :].zero_()
+            self.values[:, :, meta["slots"] :].zero_()
+
+    def _load_counters(self, meta: Mapping[str, Any]) -> None:
+        self.cumulative_length, self._oldest = meta["length"], meta["oldest"]
+
+    def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
+        """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise changing nothing."""
+        raise NotImplementedError
+
+    def _undo_step(self, undo: UndoT, new_length: int) -> None:
+        """Restore the state before the kept step `undo`, then rewrite its first tokens up to `new_length`."""
+        raise NotImplementedError
+
+    def activate_past_recording(self) -> None:
+        """Called by assisted / prompt-lookup decoding before steps that may be rolled back with `crop(-n)`.
+
+        While recording, a multi-token step that overwrites slots keeps what is needed to undo it (for rings, the
+        time-ordered window it returns, a `cat` it makes anyway) until the next `update` or `crop`, so `crop` can
+        undo any part of that step exactly without growing the storage. Rollback of tokens from earlier steps is
+        limited to `rollback_margin + 1` tokens.
+        """
+        self.record_past = True
+
+    def deactivate_past_recording(self) -> None:
+        """Stop recording and release the kept step (see `HybridRingCache.deactivate_past_recording`)."""
+        self.record_past = False
+        self._undo = None
+
+    @property
+    def max_slots(self) -> int:  # slots once all are allocated: each subclass's own, from its settings
+        raise NotImplementedError
+
+    def get_max_length(self) -> int:
+        return self.max_slots
+
+    def reset(self) -> None:
+        super().reset()
+        self._oldest = 0
+        self.record_past = False
+        self._undo = None
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        self._crop_plan(tokens_to_remove)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back tokens (negative: how many, transformers' convention; positive: the length to keep), exactly or
+        not at all: a refused crop raises `RollbackError` and changes nothing. Any crop resolves the last speculative
+        step, so the copy kept to undo it is released."""
+        new_length, undo_step = self._crop_plan(tokens_to_remove)
+        undo, self._undo = self._undo, None
+        if not undo_step:
+            self.cumulative_length = new_length
+            return
+        assert undo is not None  # `_crop_plan` asks for the undo only when a step was kept
+        self._make_writable()
+        self._undo_step(undo, new_length)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._undo = None
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._undo = None
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._undo = None
 
 
 class RingStepUndo(NamedTuple):
@@ -45,7 +140,7 @@ class RingStepUndo(NamedTuple):
     values: torch.Tensor
 
 
-class RingSlidingLayer(UndoableStepLayer):
+class RingSlidingLayer(UndoableStepLayer[RingStepUndo]):
     """A sliding-window layer stored as a ring of `sliding_window + rollback_margin` slots.
 
     A one-token step writes its key/value in place at slot `position % capacity` (no copy of the window, no `cat`,
@@ -78,8 +173,9 @@ class RingSlidingLayer(UndoableStepLayer):
         self.rollback_margin = int(rollback_margin)
         self._oldest = 0  # lowest absolute position still held in the ring
         self.record_past = False
-        self._undo: RingStepUndo | None = None
-        # What the last `update` returned, for `key_positions`: ("range", first, end) or ("ring", length, oldest).
+        self._undo = None
+        # What the last `update` returned, for `key_positions`: ("range", first, end) or ("ring", length, oldest);
+        # `StaticRingSlidingLayer`'s decode steps leave ("counters", 0, 0): positions from its counter tensors.
         self._returned: tuple[str, int, int] = ("range", 0, 0)
 
     @property
@@ -137,7 +233,9 @@ class RingSlidingLayer(UndoableStepLayer):
             return 0
         return max(self._oldest, self.cumulative_length - (self.sliding_window - 1))
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:
+    # transformers declares `-> tuple[int, int]`: keys returned out of time order put a `RingLayout` in the
+    # offset's place, which this package's mask hook (mask_hook.py) reads; hence the wider return type.
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:  # type: ignore[override]
         length, kind = self.cumulative_length, self._step_kind(query_length)
         if kind == "decode":  # the ring after writing position `length`
             return self.max_slots, RingLayout(self._slot_positions(length + 1), end=length + 1)
@@ -157,7 +255,7 @@ class RingSlidingLayer(UndoableStepLayer):
 
     # --- update ---------------------------------------------------------------------------------------------------
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens and return the keys/values the attention must see, in the layout of `get_mask_sizes`.
 
@@ -337,7 +435,9 @@ class StaticRingSlidingLayer(RingSlidingLayer):
     def capacity_after(self, prompt_length: int, total_length: int) -> int:
         return self.max_slots  # all slots at the first update
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:
+    # transformers declares `-> tuple[int, int]`: keys returned out of time order put a `RingLayout` in the
+    # offset's place, which this package's mask hook (mask_hook.py) reads; hence the wider return type.
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:  # type: ignore[override]
         if query_length != 1:
             return super().get_mask_sizes(query_length)
         # Positions after writing position `length` at slot `length % capacity`; computed from the tensors alone.
@@ -346,14 +446,14 @@ class StaticRingSlidingLayer(RingSlidingLayer):
         return self.max_slots, RingLayout(positions, end=end if is_torchdynamo_compiling() else int(end))
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if key_states.shape[-2] != 1:
             return super().update(key_states, value_states, *args, **kwargs)
         if not is_torchdynamo_compiling():
             self._prepare(key_states, value_states)
             self._undo = None
-            self._returned = ("ring", None, None)  # positions from the counters (see `key_positions`)
+            self._returned = ("counters", 0, 0)  # positions from the counters (see `key_positions`)
         slot = torch.remainder(self.length_tensor, self.max_slots).view(1)
         self.keys.index_copy_(2, slot, key_states)
         self.values.index_copy_(2, slot, value_states)
@@ -362,7 +462,7 @@ class StaticRingSlidingLayer(RingSlidingLayer):
         return self.keys, self.values
 
     def key_positions(self) -> torch.Tensor:
-        if self._returned[0] == "ring":
+        if self._returned[0] == "counters":
             return self._slot_positions(self.length_tensor, self.oldest_tensor)
         return super().key_positions()
 

@@ -11,85 +11,58 @@ its key calibration, never dequantized; a bounded one (`full_layer_window`) as i
 counters, like a ring. KV-shared layers hold nothing. The file also records the cache's constructor arguments and what
 identifies the model config it belongs to, so that a file is never loaded into a model whose layers it does not fit.
 
-File layout (all metadata values are strings, as safetensors requires):
+File layout (format version 3; all metadata values are strings, as safetensors requires):
 
 - tensors `layers.<i>.<name>` for every layer holding tokens, `<name>` from its `state()`: `keys` / `values`
   (`[batch, kv_heads, slots, head_dim]`) for exact storage and bounded layers; `key_codes`, `key_scales`,
   `value_codes`, `value_scales` (and `key_shift` / `key_scale` with key calibration) for compressed layers;
-- `hybrid_cache.format` = `HybridRingCache`, `hybrid_cache.format_version`, `hybrid_cache.version`;
-- `hybrid_cache.state`: JSON, the constructor arguments and each layer's counters, shapes, dtype, storage settings and
-  the CRC-32 of each of its tensors (`<name>_crc32`);
+- `hybrid_cache.format` = `HybridRingCache`, `hybrid_cache.format_version` = `3`, `hybrid_cache.version`;
+- `hybrid_cache.state`: JSON, `{"options": <every field of CacheOptions>, "layers": [<LayerState as JSON> or null]}`
+  (a layer's counters, `COUNTER_FIELDS`, then its storage settings);
 - `hybrid_cache.model`: JSON, the layer structure (layer types, KV sharing, windows, KV heads, head sizes per layer)
   and the SHA-256 fingerprint of `hybrid_cache.config`, the model config (without volatile entries) as JSON;
+- `hybrid_cache.digest`: JSON, the SHA-256 of every part of the saved state: `options`, `model`, `config`,
+  `metadata` (the user's), `layers.<i>` (a layer's counters and settings) and `layers.<i>.<name>` (each tensor's
+  bytes). `load` checks every part before it trusts any, so any change after `save` (a flipped byte, a hand-edited
+  header) is refused as damage, naming the part;
 - every other key: the user's metadata, verbatim.
 
-Versions: `1` describes exact storage only (its arguments: `SAVED_ARGUMENTS`). `2` adds compressed and bounded full
-layers: the arguments add `STORAGE_ARGUMENTS`, and each such layer's entry its settings. Caches with exact storage are
-still written as version 1, byte for byte as before, so that earlier releases keep reading them; both are read.
+Files of earlier format versions (development versions of this package, never released) are refused with the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
+import typing
 import uuid
-import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .checkpoints import (
-    COUNTER_FIELDS,
-    CacheCheckpoint,
-    LayerState,
-    read_layer_state,
-    refuse_stateless_layers,
-    restore_checkpoint,
-    take_checkpoint,
-)
+from .checkpoints import read_layer_state, refuse_stateless_layers
+from .options import CacheOptions
 from .specs import FULL, SLIDING, declared_structure
+from .state import COUNTER_FIELDS, LayerState, StateHolder
 from .storage import writable
 from .version import __version__
 
-if TYPE_CHECKING:
-    from .cache import HybridRingCache
+__all__ = ["RESERVED_PREFIX", "load_cache", "load_into", "read_metadata", "save_cache"]
 
-__all__ = [
-    "RESERVED_PREFIX",
-    "CacheCheckpoint",
-    "load_cache",
-    "load_into",
-    "read_metadata",
-    "restore_checkpoint",
-    "save_cache",
-    "take_checkpoint",
-]
-
-#: The constructor arguments the format records (`HybridRingCache.options`); the others are not saved.
-SAVED_ARGUMENTS = ("max_cache_len", "rollback_margin", "initial_capacity", "dense_decode_mask")
-#: The storage options version 2 adds (compressed / bounded full layers).
-STORAGE_ARGUMENTS = (
-    "full_layer_quantization",
-    "full_layer_group_size",
-    "full_layer_rotation",
-    "full_layer_key_calibration",
-    "full_layer_window",
-    "full_layer_sink_tokens",
-    "full_layer_code_attention",
-)
+HolderT = TypeVar("HolderT", bound=StateHolder)
 #: Metadata keys starting with this prefix belong to hybrid_cache; user metadata may not use it.
 RESERVED_PREFIX = "hybrid_cache."
 FORMAT_KEY, FORMAT_NAME = RESERVED_PREFIX + "format", "HybridRingCache"
-VERSION_KEY, FORMAT_VERSION, EXACT_FORMAT_VERSION = RESERVED_PREFIX + "format_version", "2", "1"
-READ_VERSIONS = (EXACT_FORMAT_VERSION, FORMAT_VERSION)
+VERSION_KEY, FORMAT_VERSION = RESERVED_PREFIX + "format_version", "3"
 STATE_KEY, MODEL_KEY, CONFIG_KEY = RESERVED_PREFIX + "state", RESERVED_PREFIX + "model", RESERVED_PREFIX + "config"
-LIBRARY_KEY = RESERVED_PREFIX + "version"
+DIGEST_KEY, LIBRARY_KEY = RESERVED_PREFIX + "digest", RESERVED_PREFIX + "version"
 
 # Config entries that do not change what the cache holds (names, bookkeeping, token ids, output switches).
 # Entries starting with "_" are dropped as well (`_name_or_path`, `_attn_implementation`, ...).
@@ -153,13 +126,13 @@ def _canonical(value: Any) -> Any:
     return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
-def config_entries(cache: HybridRingCache) -> dict[str, Any]:
+def config_entries(cache: StateHolder) -> dict[str, Any]:
     """The text config as JSON data, without the entries that do not change what the cache holds."""
     entries = cache.config.to_dict()
     return _canonical({k: v for k, v in entries.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS})
 
 
-def model_identity(cache: HybridRingCache) -> dict[str, Any]:
+def model_identity(cache: StateHolder) -> dict[str, Any]:
     """What identifies the model a cache belongs to: its layer structure per field, and a config fingerprint."""
     entries = config_entries(cache)
     fingerprint = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
@@ -182,7 +155,7 @@ def _describe(field: str, saved: Any, current: Any, layer_types: list[str] | Non
     return f"{name}: file {'/'.join(saved_values)}, config {'/'.join(current_values)} (layers {layers})"
 
 
-def check_model(path: Path, saved: Mapping[str, Any], saved_config: Mapping[str, Any], cache: HybridRingCache) -> None:
+def check_model(path: Path, saved: Mapping[str, Any], saved_config: Mapping[str, Any], cache: StateHolder) -> None:
     """Raise `ValueError` naming the first field in which the file's model differs from `cache`'s config."""
     current = model_identity(cache)
     for field in _MODEL_FIELDS:
@@ -203,8 +176,14 @@ def check_model(path: Path, saved: Mapping[str, Any], saved_config: Mapping[str,
 
 
 # --- save -------------------------------------------------------------------------------------------------------
-def _crc32(tensor: torch.Tensor) -> int:
-    return zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy())
+def _json_digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(
+        tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
+    ).hexdigest()
 
 
 def _user_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
@@ -223,38 +202,35 @@ def _user_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return dict(metadata)
 
 
-def save_cache(cache: HybridRingCache, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
+def save_cache(cache: StateHolder, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
     """Write `cache` to one safetensors file at `path` (see `HybridRingCache.save`)."""
     refuse_stateless_layers(cache, "save")
     path = Path(os.fspath(path))
-    header = _user_metadata(metadata)
+    user = _user_metadata(metadata)
     tensors: dict[str, torch.Tensor] = {}
     layers: list[dict[str, Any] | None] = []
     for index, layer in enumerate(cache.layers):
         state = read_layer_state(layer)
-        if state is None:
-            layers.append(None)
-            continue
-        entry = state.to_json()
-        for name, tensor in layer.state().items():
-            held = tensor.detach().to("cpu").contiguous()
-            tensors[f"layers.{index}.{name}"] = held
-            entry[f"{name}_crc32"] = _crc32(held)
-        layers.append(entry)
-    options = cache.options
-    exact = options.full_layer_quantization is None and options.full_layer_window is None
-    names = SAVED_ARGUMENTS if exact else SAVED_ARGUMENTS + STORAGE_ARGUMENTS
-    arguments = {name: getattr(options, name) for name in names}
-    header.update(
-        {
-            FORMAT_KEY: FORMAT_NAME,
-            VERSION_KEY: EXACT_FORMAT_VERSION if exact else FORMAT_VERSION,
-            LIBRARY_KEY: __version__,
-            STATE_KEY: json.dumps({"arguments": arguments, "layers": layers}),
-            MODEL_KEY: json.dumps(model_identity(cache)),
-            CONFIG_KEY: json.dumps(config_entries(cache), sort_keys=True),
-        }
-    )
+        layers.append(None if state is None else state.to_json())
+        if state is not None:
+            for name, tensor in layer.state().items():
+                tensors[f"layers.{index}.{name}"] = tensor.detach().to("cpu").contiguous()
+    options = dataclasses.asdict(cache.options)
+    model, config = model_identity(cache), config_entries(cache)
+    digest = {"options": _json_digest(options), "model": _json_digest(model), "config": _json_digest(config)}
+    digest["metadata"] = _json_digest(user)
+    digest.update({f"layers.{i}": _json_digest(entry) for i, entry in enumerate(layers) if entry is not None})
+    digest.update({name: _tensor_digest(tensor) for name, tensor in tensors.items()})
+    header = {
+        **user,
+        FORMAT_KEY: FORMAT_NAME,
+        VERSION_KEY: FORMAT_VERSION,
+        LIBRARY_KEY: __version__,
+        STATE_KEY: json.dumps({"options": options, "layers": layers}),
+        MODEL_KEY: json.dumps(model),
+        CONFIG_KEY: json.dumps(config, sort_keys=True),
+        DIGEST_KEY: json.dumps(digest, sort_keys=True),
+    }
     _write_atomically(path, tensors, header)
 
 
@@ -289,6 +265,7 @@ class _Reader:
             raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {error}") from None
         self.header = self._file.metadata() or {}
         self.names = set(self._file.keys())
+        self.digests: dict[str, Any] = {}  # read by `checked_parts`
 
     def __enter__(self) -> _Reader:
         return self
@@ -305,11 +282,22 @@ class _Reader:
                 f"{self.path} is a safetensors file but not a saved HybridRingCache (its metadata has no "
                 f"{FORMAT_KEY!r} = {FORMAT_NAME!r}). Save caches with `cache.save(path)`."
             )
-        if self.header.get(VERSION_KEY) not in READ_VERSIONS:
+        if self.header.get(VERSION_KEY) != FORMAT_VERSION:
             raise ValueError(
                 f"{self.path} has HybridRingCache format version {self.header.get(VERSION_KEY)!r}; this version of "
-                f"hybrid_cache reads versions {' and '.join(READ_VERSIONS)}. Re-create the file with this version."
+                f"hybrid_cache reads version {FORMAT_VERSION}. Re-create the file with this version (`cache.save`)."
             )
+
+    def damaged(self, part: str) -> ValueError:
+        return ValueError(
+            f"{self.path} is damaged: {part} does not match the digest saved with it (the file was edited or "
+            f"corrupted after `save`). Re-create it with `cache.save(path)`."
+        )
+
+    def check_digest(self, part: str, digest: str, what: str) -> None:
+        """Raise `damaged(what)` unless `digest` is the one the file recorded for `part`."""
+        if self.digests.get(part) != digest:
+            raise self.damaged(what)
 
     def json(self, key: str) -> Any:
         try:
@@ -328,7 +316,39 @@ class _Reader:
             raise self.invalid(
                 f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, its state says {shape} {dtype}"
             )
+        self.check_digest(name, _tensor_digest(tensor), f"tensor {name!r}")
         return tensor
+
+    def checked_parts(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """The state, model and config JSON, each checked against the file's digests (the layers' entries too);
+        the user metadata as well."""
+        self.digests = self.json(DIGEST_KEY)
+        if not isinstance(self.digests, dict):
+            raise self.invalid(f"metadata {DIGEST_KEY!r} is not a JSON object")
+        state, model, config = self.json(STATE_KEY), self.json(MODEL_KEY), self.json(CONFIG_KEY)
+        if not isinstance(state, dict) or not isinstance(model, dict) or not isinstance(config, dict):
+            raise self.invalid("its state / model / config metadata are not JSON objects")
+        self.check_digest("model", _json_digest(model), f"the model identity ({MODEL_KEY!r})")
+        self.check_digest("config", _json_digest(config), f"the model config ({CONFIG_KEY!r})")
+        self.check_digest("options", _json_digest(state.get("options")), f"the cache options ({STATE_KEY!r})")
+        user = {k: v for k, v in self.header.items() if not k.startswith(RESERVED_PREFIX)}
+        self.check_digest("metadata", _json_digest(user), "the user metadata")
+        layers = state.get("layers")
+        if not isinstance(layers, list):
+            raise self.invalid("its state has no list of layers")
+        for index, entry in enumerate(layers):
+            if entry is not None or f"layers.{index}" in self.digests:
+                self.check_digest(f"layers.{index}", _json_digest(entry), f"layer {index}'s counters and settings")
+        expected = {f"layers.{i}" for i, entry in enumerate(layers) if entry is not None} | {
+            "options",
+            "model",
+            "config",
+            "metadata",
+            *self.names,
+        }
+        if set(self.digests) != expected:
+            raise self.damaged(f"the list of parts ({sorted(set(self.digests) ^ expected)})")
+        return state, model, config
 
 
 def _integer(entry: Mapping[str, Any], key: str, minimum: int = 0) -> int:
@@ -338,36 +358,20 @@ def _integer(entry: Mapping[str, Any], key: str, minimum: int = 0) -> int:
     return value
 
 
-def _option(arguments: Mapping[str, Any], key: str, kind: type, minimum: int | None = None, optional: bool = True):
-    value = arguments.get(key)
-    if value is None and optional:
-        return None
-    if type(value) is not kind or (minimum is not None and value < minimum):
-        raise ValueError(f"{key!r} is {value!r}")
-    return value
-
-
-def _parse_arguments(arguments: Any, version: str) -> dict[str, Any]:
-    if not isinstance(arguments, dict):
-        raise ValueError("the cache arguments are missing")
-    parsed = {
-        "max_cache_len": _option(arguments, "max_cache_len", int, 1),
-        "rollback_margin": _integer(arguments, "rollback_margin"),
-        "initial_capacity": _integer(arguments, "initial_capacity"),
-        "dense_decode_mask": _option(arguments, "dense_decode_mask", bool),
-    }
-    if version == EXACT_FORMAT_VERSION:
-        return parsed
-    return {
-        **parsed,
-        "full_layer_quantization": _option(arguments, "full_layer_quantization", str),
-        "full_layer_group_size": _option(arguments, "full_layer_group_size", int, 1, optional=False),
-        "full_layer_rotation": _option(arguments, "full_layer_rotation", bool, optional=False),
-        "full_layer_key_calibration": _option(arguments, "full_layer_key_calibration", bool, optional=False),
-        "full_layer_window": _option(arguments, "full_layer_window", int, 1),
-        "full_layer_sink_tokens": _option(arguments, "full_layer_sink_tokens", int, 0),
-        "full_layer_code_attention": _option(arguments, "full_layer_code_attention", bool),
-    }
+def _parse_options(options: Any) -> dict[str, Any]:
+    """The saved `CacheOptions` fields, each of the type the dataclass declares (the combination is checked by
+    `CacheOptions` itself when the cache is built)."""
+    if not isinstance(options, dict):
+        raise ValueError("the cache options are missing")
+    types = typing.get_type_hints(CacheOptions)
+    names = [field.name for field in dataclasses.fields(CacheOptions)]
+    if sorted(options) != sorted(names):
+        raise ValueError(f"its options are {sorted(options)}, this version's are {sorted(names)}")
+    for name in names:
+        allowed = typing.get_args(types[name]) or (types[name],)
+        if not any(type(options[name]) is kind for kind in allowed):
+            raise ValueError(f"option {name!r} is {options[name]!r}, not {types[name]}")
+    return options
 
 
 # What each `state_kind` is, in the words of the options that choose it (for mismatch messages).
@@ -386,37 +390,37 @@ def _mismatch(entry: Any, layer: Any) -> str | None:
         return None  # not a storage difference: `_parse_layer_state` reports it
     saved = entry.get("kind")
     if saved != kind:
-        return (
-            f"it holds the state of {_STORAGE_NAMES.get(saved, repr(saved))}, this cache has "
-            f"{_STORAGE_NAMES.get(kind, kind)}"
-        )
+        saved_name = _STORAGE_NAMES.get(saved, repr(saved)) if isinstance(saved, str) else repr(saved)
+        return f"it holds the state of {saved_name}, this cache has {_STORAGE_NAMES.get(kind, kind)}"
     return layer.state_mismatch(entry)
 
 
 def _parse_layer_state(entry: Any, layer: Any) -> LayerState:
-    """A layer's saved state, checked against the layer it goes into (the file is not trusted)."""
+    """A layer's saved state (counters and settings from the file), checked against the layer it goes into."""
     kind = getattr(layer, "state_kind", None)
     if not isinstance(entry, dict) or kind is None or entry.get("kind") != kind:
         raise ValueError(f"its state is {entry!r}, expected a {kind or 'storing'} layer")
     if entry.get("dtype") not in _DTYPES:
         raise ValueError(f"dtype {entry.get('dtype')!r} is not supported")
-    minimums = {"kind": None, "dtype": None, "oldest": 0}
+    settings = tuple((name, entry.get(name)) for name in layer.state_settings())
+    unknown = set(entry) - set(COUNTER_FIELDS) - {name for name, _ in settings}
+    if unknown:
+        raise ValueError(f"its state has unknown entries {sorted(unknown)}")
+    minimums = {"oldest": 0}
     counters = {
         name: _integer(entry, name, minimums.get(name, 1)) for name in COUNTER_FIELDS if name not in ("kind", "dtype")
     }
-    state = LayerState(
-        kind=kind, dtype=_DTYPES[entry["dtype"]], settings=tuple(layer.state_settings().items()), **counters
-    )
+    state = LayerState(kind=kind, dtype=_DTYPES[entry["dtype"]], settings=settings, **counters)
     if not layer.accepts_state(state.meta()):
         raise ValueError(f"its counters are inconsistent ({state.to_json()})")
     return state
 
 
-def _read_states(reader: _Reader, cache: HybridRingCache, device: torch.device, fix: str | None) -> list[tuple]:
+def _read_states(reader: _Reader, cache: StateHolder, device: torch.device, fix: str | None) -> list[tuple]:
     """Every layer's saved state and tensors (on `device`), checked against `cache`'s layers before anything is
     loaded. A layer whose storage differs raises naming `fix` (loading into a cache built elsewhere), or as an
     invalid file (`fix=None`: the cache was built from the file's own arguments)."""
-    state, model, saved_config = reader.json(STATE_KEY), reader.json(MODEL_KEY), reader.json(CONFIG_KEY)
+    state, model, saved_config = reader.checked_parts()
     check_model(reader.path, model, saved_config, cache)
     entries = state.get("layers")
     if not isinstance(entries, list) or len(entries) != len(cache.layers):
@@ -450,45 +454,40 @@ def _read_states(reader: _Reader, cache: HybridRingCache, device: torch.device, 
     for layer, layer_state, index, layout in expected:
         tensors = {}
         for name, (shape, dtype) in layout.items():
-            tensor = reader.tensor(f"layers.{index}.{name}", shape, dtype)
-            if _crc32(tensor) != entries[index].get(f"{name}_crc32"):
-                raise reader.invalid(f"the CRC-32 of tensor 'layers.{index}.{name}' does not match (corrupted)")
-            tensors[name] = tensor.to(device)
+            tensors[name] = reader.tensor(f"layers.{index}.{name}", shape, dtype).to(device)
         loaded.append((layer, layer_state, tensors))
     return loaded
 
 
 def _open_checked(reader: _Reader) -> dict[str, Any]:
-    """The parsed constructor arguments of a file whose format and metadata are valid."""
+    """The saved cache options of a file whose format, digests and options are valid."""
     reader.check_format()
-    state, model, saved_config = reader.json(STATE_KEY), reader.json(MODEL_KEY), reader.json(CONFIG_KEY)
-    if not isinstance(state, dict) or not isinstance(model, dict) or not isinstance(saved_config, dict):
-        raise reader.invalid("its state / model metadata are not JSON objects")
+    state, _, _ = reader.checked_parts()
     try:
-        return _parse_arguments(state.get("arguments"), reader.header[VERSION_KEY])
+        return _parse_options(state.get("options"))
     except ValueError as error:
         raise reader.invalid(str(error)) from None
 
 
 def load_cache(
-    cls: type[HybridRingCache], path: str | os.PathLike, config: Any, device: torch.device | str | None = None
-) -> HybridRingCache:
+    cls: Callable[..., HolderT], path: str | os.PathLike, config: Any, device: torch.device | str | None = None
+) -> HolderT:
     """Read a cache written by `save_cache` (see `HybridRingCache.load`): built with the arguments the file records."""
     path = Path(os.fspath(path))
     device = torch.device("cpu" if device is None else device)
     with _Reader(path) as reader:
-        arguments = _open_checked(reader)
+        options = _open_checked(reader)
         try:
-            cache = cls(config, **arguments)
+            cache = cls(config, **options)
         except ValueError as error:
-            raise reader.invalid(f"its arguments {arguments} do not build a cache ({error})") from None
+            raise reader.invalid(f"its options {options} do not build a cache ({error})") from None
         loaded = _read_states(reader, cache, device, fix=None)
     for layer, layer_state, tensors in loaded:
         layer.load_state(layer_state.meta(), **tensors)
     return cache
 
 
-def load_into(cache: HybridRingCache, path: str | os.PathLike, device: torch.device | str | None = None) -> None:
+def load_into(cache: StateHolder, path: str | os.PathLike, device: torch.device | str | None = None) -> None:
     """Load a file written by `HybridRingCache.save` into `cache`, which must store its layers as the saved cache did
     (same `full_layer_*` storage options, `max_cache_len` and `rollback_margin`); `HybridRingCache.load` instead
     builds that cache from the file. Tensors go to `device` (default: where `cache` holds its tokens, else CPU).
@@ -502,10 +501,11 @@ def load_into(cache: HybridRingCache, path: str | os.PathLike, device: torch.dev
     held = [t for layer in cache.layers if getattr(layer, "state_kind", None) for t in layer.storage_tensors()]
     device = torch.device(device if device is not None else held[0].device if held else "cpu")
     with _Reader(path) as reader:
-        arguments = _open_checked(reader)
-        saved = ", ".join(f"{name}={value!r}" for name, value in arguments.items() if name in STORAGE_ARGUMENTS)
+        options = _open_checked(reader)
+        current = dataclasses.asdict(cache.options)
+        saved = ", ".join(f"{name}={value!r}" for name, value in options.items() if current[name] != value)
         fix = (
-            f"Create the cache with the storage options the file was saved with ({saved or 'the defaults'}), or "
+            f"Create the cache with the options the file was saved with ({saved or 'the same as this cache'}), or "
             f"load it with `HybridRingCache.load(path, config)`, which builds that cache."
         )
         loaded = _read_states(reader, cache, device, fix=fix)

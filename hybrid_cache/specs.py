@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .compat import kv_sharing_modes
+from .frozen import Frozen
 
 __all__ = [
     "CHUNKED",
@@ -36,8 +37,8 @@ SHARED = "shared"  # KV-shared (`kv_sharing_modes == "reuse"`), or a layer witho
 OTHER_STAGE = "other_stage"  # run by another pipeline stage (`stage_layers`)
 
 
-@dataclass(frozen=True)
-class LayerSpec:
+@dataclass(unsafe_hash=True)
+class LayerSpec(Frozen):
     """What one decoder layer's cache must hold, read from the config.
 
     Attributes:
@@ -199,14 +200,15 @@ def declared_window(config: Any) -> int | None:
 
 def declared_structure(config: Any) -> dict[str, Any]:
     """The layer structure as the config declares it, field by field (what a saved cache is checked against):
-    `num_hidden_layers`, `layer_types`, `kv_sharing_modes` (the config's own entry), `sliding_window` (per layer, `None`
-    for non-sliding layers), `num_key_value_heads` and `head_dim` (per layer, as declared), `model_type`."""
+    `num_hidden_layers`, `layer_types`, `kv_sharing_modes` (as `compat.kv_sharing_modes` reads it on every release),
+    `sliding_window` (per layer, `None` for non-sliding layers), `num_key_value_heads` and `head_dim` (per layer, as
+    declared), `model_type`."""
     config = text_config(config)
     specs = layer_specs(config)
     return {
         "num_hidden_layers": config.num_hidden_layers,
         "layer_types": _declared_layer_types(config),
-        "kv_sharing_modes": getattr(config, "kv_sharing_modes", None),
+        "kv_sharing_modes": kv_sharing_modes(config),
         "sliding_window": [spec.window if spec.kind == SLIDING else None for spec in specs],
         "num_key_value_heads": [spec.declared_kv_heads for spec in specs],
         "head_dim": [spec.declared_head_dim for spec in specs],

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 from transformers.utils import is_torchdynamo_compiling
 
 from .compat import CacheLayerMixin
 from .errors import CacheCapacityError, RollbackError
+from .state import LayerState
 
 __all__ = [
     "GROWTH_FACTOR",
+    "FixedCapacityLayer",
     "NOTHING_WRITTEN",
     "StorageLayer",
-    "UndoableStepLayer",
     "capacity_after_decoding",
     "check_shapes",
     "grown_capacity",
@@ -45,7 +46,7 @@ def writable(tensor: torch.Tensor | None) -> contextlib.AbstractContextManager:
     return torch.inference_mode() if tensor is not None and tensor.is_inference() else torch.no_grad()
 
 
-def check_shapes(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+def check_shapes(layer: StorageLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     """Refuse updates whose batch size / heads / head size differ from the storage (never silently mix batches)."""
     expected = (layer.batch_size, layer.num_heads)
     if tuple(key_states.shape[:2]) != expected or tuple(value_states.shape[:2]) != expected:
@@ -99,7 +100,7 @@ def capacity_after_decoding(first: int, total_length: int, limit: int | None = N
     return capacity
 
 
-def same_layout(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+def same_layout(layer: StorageLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
     return (
         tuple(key_states.shape[:2]) == (layer.batch_size, layer.num_heads)
         and key_states.shape[-1] == layer.k_head_dim
@@ -116,11 +117,11 @@ def tensor_counter(tensor_name: str) -> property:
     the fixed-capacity layers keep their counters in tensors with static addresses, updated in place.
     """
 
-    def getter(self) -> int | torch.Tensor:
+    def getter(self: Any) -> int | torch.Tensor:
         tensor = getattr(self, tensor_name)
         return tensor if is_torchdynamo_compiling() else int(tensor)
 
-    def setter(self, value: int) -> None:
+    def setter(self: Any, value: int) -> None:
         getattr(self, tensor_name).fill_(value)
 
     return property(getter, setter)
@@ -138,9 +139,31 @@ NOTHING_WRITTEN = 2**62
 
 
 class StorageLayer(CacheLayerMixin):
-    """Shared allocation logic: lazy allocation from the first `update`, on the tensors' own device and dtype."""
+    """Shared allocation logic: lazy allocation from the first `update`, on the tensors' own device and dtype.
+
+    What the container asks a layer (class attributes; `False` for storage that does not declare them): whether its
+    steps may return keys out of time order, described by a `RingLayout` (`ring_ordered`, `needs_ring_layout`); its
+    `update` takes `return_codes=` (`attends_on_codes`); it can keep what undoes its last multi-token step
+    (`records_steps`: `activate_past_recording` / `deactivate_past_recording`); it keeps fewer tokens than its
+    attention's window, so the mask's window is not checked against it (`drops_tokens_by_design`).
+    """
+
+    # Set by `_allocate`. transformers types `keys` / `values` `Tensor | None` (None before allocation): they and the
+    # layout are read only once `is_initialized` (behind that check, or `_prepare`, which allocates): always tensors.
+    keys: torch.Tensor
+    values: torch.Tensor
+    batch_size: int
+    num_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    device: torch.device
 
     is_croppable = True
+    ring_ordered = False
+    attends_on_codes = False
+    records_steps = False
+    drops_tokens_by_design = False
     # Tensors a layer owns besides `keys` / `values` that in-place updates touch (the static layers' counters).
     _counter_names: tuple[str, ...] = ()
     # Whether new buffers start zeroed: layers that can return slots never written (a ring's empty slots, a fixed
@@ -230,7 +253,7 @@ class StorageLayer(CacheLayerMixin):
         `_map_storage`)."""
         return [self.keys, self.values] if self.is_initialized else []
 
-    def _map_storage(self, function) -> None:
+    def _map_storage(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace every storage tensor by `function(tensor)`."""
         self.keys, self.values = function(self.keys), function(self.values)
 
@@ -288,7 +311,7 @@ class StorageLayer(CacheLayerMixin):
     state_kind: str | None = None
     #: Whether an in-memory checkpoint keeps only this layer's length: time-ordered storage whose tokens are never
     #: rewritten in place while held (every write is recorded by `note_write`), so cutting it back is exact as long
-    #: as the write floor stays above the length. Rings (`UndoableStepLayer`) overwrite slots: their state is copied.
+    #: as the write floor stays above the length. Rings (`ring.UndoableStepLayer`) overwrite slots: their state is copied.
     restores_by_length = True
 
     def held_from(self) -> int:
@@ -305,9 +328,8 @@ class StorageLayer(CacheLayerMixin):
         return {}
 
     def meta_state(self) -> dict[str, Any] | None:
-        """The layer's counters and geometry (`kind`, `length`, `oldest`, `capacity`, `slots`, `batch_size`,
-        `num_heads`, `k_head_dim`, `v_head_dim`, `dtype`) and its `state_settings()`, or `None` while it holds no
-        tokens. `capacity` is the allocated slot count, restored so that growth continues as it would have."""
+        """The layer's `LayerState` (`state.py`) as a dict (its counters, `COUNTER_FIELDS`, then its `state_settings()`), or
+        `None` while it holds no tokens."""
         if self.state_kind is None:
             raise NotImplementedError(f"{type(self).__name__} does not export its state.")
         if not self.is_initialized or int(self.cumulative_length) == 0:
@@ -317,19 +339,20 @@ class StorageLayer(CacheLayerMixin):
             raise RuntimeError(
                 f"A {self.state_kind} layer holds {slots} slots of content but only {self.capacity} are allocated."
             )
-        return {
-            "kind": self.state_kind,
-            "length": int(self.cumulative_length),
-            "oldest": self.held_from(),
-            "capacity": self.capacity,
-            "slots": slots,
-            "batch_size": int(self.batch_size),
-            "num_heads": int(self.num_heads),
-            "k_head_dim": int(self.k_head_dim),
-            "v_head_dim": int(self.v_head_dim),
-            "dtype": self.dtype,
-            **self.state_settings(),
-        }
+        state = LayerState(
+            kind=self.state_kind,
+            length=int(self.cumulative_length),
+            oldest=self.held_from(),
+            capacity=self.capacity,
+            slots=slots,
+            batch_size=int(self.batch_size),
+            num_heads=int(self.num_heads),
+            k_head_dim=int(self.k_head_dim),
+            v_head_dim=int(self.v_head_dim),
+            dtype=self.dtype,
+            settings=tuple(self.state_settings().items()),
+        )
+        return state.meta()
 
     def state(self) -> dict[str, torch.Tensor]:
         """The layer's content as named tensors, `load_state(meta, **state())`'s keyword arguments: here views of
@@ -430,17 +453,17 @@ class StorageLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
-            beam_idx = beam_idx.to(self.device)
-            self._map_storage(lambda tensor: tensor.index_select(0, beam_idx))
+            beam = beam_idx.to(self.device)
+            self._map_storage(lambda tensor: tensor.index_select(0, beam))
             self.note_write(0)
 
     def _reorder_in_place(self, beam_idx: torch.LongTensor) -> None:
         # In place, to keep the static addresses that compiled graphs captured.
         if self.is_initialized:
             self._make_writable()
-            beam_idx = beam_idx.to(self.device)
+            beam = beam_idx.to(self.device)
             for tensor in self.storage_tensors():
-                tensor.copy_(tensor.index_select(0, beam_idx))
+                tensor.copy_(tensor.index_select(0, beam))
             self.note_write(0)
 
     def check_crop(self, tokens_to_remove: int) -> None:
@@ -466,7 +489,18 @@ class StorageLayer(CacheLayerMixin):
             self.note_write(0)
 
 
-def prepare_fixed_capacity_step(layer: StorageLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
+class FixedCapacityLayer(Protocol):
+    """What `prepare_fixed_capacity_step` reads: a `StorageLayer` with `full.FixedCapacityCounters` mixed in."""
+
+    max_cache_len: int
+    cumulative_length: int
+
+    def _prepare(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None: ...
+
+
+def prepare_fixed_capacity_step(
+    layer: FixedCapacityLayer, key_states: torch.Tensor, value_states: torch.Tensor
+) -> int:
     """Eager checks before a fixed-capacity (`max_cache_len`) full layer's step: shapes / allocation, then capacity.
     Returns the length after the step; raises `CacheCapacityError` (changing nothing) when it would not fit."""
     layer._prepare(key_states, value_states)
@@ -490,89 +524,6 @@ def resolve_crop_length(tokens_to_remove: int, length: int) -> int:
     if length + tokens_to_remove < 0:
         raise RollbackError(f"Cannot remove {-tokens_to_remove} tokens: only {length} are cached.")
     return length + tokens_to_remove
-
-
-class UndoableStepLayer(StorageLayer):
-    """A layer whose slots are overwritten in place (a ring), and which may therefore keep a copy to undo its last
-    speculative step (`_undo`, while past recording is on). Every crop is planned first by `_crop_plan` (raising
-    before anything changes) and then applied, undoing the kept step through `_undo_step` where the plan says so.
-    Any batch reshuffle drops the copy: it was kept in the old batch order, so a later rollback must not restore it.
-
-    Subclasses keep `_oldest` (the lowest overwritable position still held) and `max_slots` (slots allocated).
-    """
-
-    _undo = None
-    restores_by_length = False  # slots are overwritten in place: a checkpoint copies them
-
-    def load_state(self, meta: Mapping[str, Any], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """As `StorageLayer.load_state`, and the slots past the state's are zeroed: a ring's unused slots hold
-        nothing, as in the layer that was saved."""
-        super().load_state(meta, keys, values)
-        with writable(self.keys):
-            self.keys[:, :, meta["slots"] :].zero_()
-            self.values[:, :, meta["slots"] :].zero_()
-
-    def _load_counters(self, meta: Mapping[str, Any]) -> None:
-        self.cumulative_length, self._oldest = meta["length"], meta["oldest"]
-
-    def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
-        """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise changing nothing."""
-        raise NotImplementedError
-
-    def _undo_step(self, undo: NamedTuple, new_length: int) -> None:
-        """Restore the state before the kept step `undo`, then rewrite its first tokens up to `new_length`."""
-        raise NotImplementedError
-
-    def activate_past_recording(self) -> None:
-        """Called by assisted / prompt-lookup decoding before steps that may be rolled back with `crop(-n)`.
-
-        While recording, a multi-token step that overwrites slots keeps what is needed to undo it (for rings, the
-        time-ordered window it returns, a `cat` it makes anyway) until the next `update` or `crop`, so `crop` can
-        undo any part of that step exactly without growing the storage. Rollback of tokens from earlier steps is
-        limited to `rollback_margin + 1` tokens.
-        """
-        self.record_past = True
-
-    def deactivate_past_recording(self) -> None:
-        """Stop recording and release the kept step (see `HybridRingCache.deactivate_past_recording`)."""
-        self.record_past = False
-        self._undo = None
-
-    def get_max_length(self) -> int:
-        return self.max_slots
-
-    def reset(self) -> None:
-        super().reset()
-        self._oldest = 0
-        self.record_past = False
-        self._undo = None
-
-    def check_crop(self, tokens_to_remove: int) -> None:
-        self._crop_plan(tokens_to_remove)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Roll back tokens (negative: how many, transformers' convention; positive: the length to keep), exactly or
-        not at all: a refused crop raises `RollbackError` and changes nothing. Any crop resolves the last speculative
-        step, so the copy kept to undo it is released."""
-        new_length, undo_step = self._crop_plan(tokens_to_remove)
-        undo, self._undo = self._undo, None
-        if not undo_step:
-            self.cumulative_length = new_length
-            return
-        self._make_writable()
-        self._undo_step(undo, new_length)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._undo = None
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._undo = None
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._undo = None
 
 
 def refuse_static_autograd() -> None:

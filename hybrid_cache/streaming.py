@@ -28,7 +28,8 @@ import torch
 
 from .errors import RollbackError
 from .mask_hook import RingLayout
-from .storage import UndoableStepLayer, resolve_crop_length
+from .ring import UndoableStepLayer
+from .storage import resolve_crop_length
 
 __all__ = ["SinkWindowFullLayer"]
 
@@ -42,7 +43,7 @@ class SinkWindowStepUndo(NamedTuple):
     new_values: torch.Tensor
 
 
-class SinkWindowFullLayer(UndoableStepLayer):
+class SinkWindowFullLayer(UndoableStepLayer[SinkWindowStepUndo]):
     """A full-attention layer bounded to `sink_tokens` + `window` tokens (approximate; see the module docstring).
 
     Args:
@@ -56,6 +57,7 @@ class SinkWindowFullLayer(UndoableStepLayer):
     """
 
     is_sliding = False
+    drops_tokens_by_design = True
 
     def __init__(self, sink_tokens: int, window: int, rollback_margin: int = 0) -> None:
         super().__init__()
@@ -67,7 +69,7 @@ class SinkWindowFullLayer(UndoableStepLayer):
         self.sink_tokens, self.window, self.rollback_margin = int(sink_tokens), int(window), int(rollback_margin)
         self._oldest = 0  # lowest position >= sink_tokens still held by the ring part
         self.record_past = False
-        self._undo: SinkWindowStepUndo | None = None
+        self._undo = None
 
     @property
     def ring_slots(self) -> int:
@@ -104,7 +106,9 @@ class SinkWindowFullLayer(UndoableStepLayer):
         valid = (ring >= max(start, self._oldest, visible_from)) & (ring < length)
         return torch.cat([sinks, torch.where(valid, ring, -1)])
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:
+    # transformers declares `-> tuple[int, int]`: keys returned out of time order put a `RingLayout` in the
+    # offset's place, which this package's mask hook (mask_hook.py) reads; hence the wider return type.
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:  # type: ignore[override]
         length, kind = self.cumulative_length, self._step_kind(query_length)
         if kind == "ordered":
             return length + query_length, 0
@@ -123,7 +127,7 @@ class SinkWindowFullLayer(UndoableStepLayer):
 
     # --- update ---------------------------------------------------------------------------------------------------
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens; return keys/values in the layout of `get_mask_sizes` (`[batch, kv_heads, slots,
         head_dim]`)."""
@@ -197,7 +201,7 @@ class SinkWindowFullLayer(UndoableStepLayer):
         )
 
     def _undo_step(self, undo: SinkWindowStepUndo, new_length: int) -> None:
-        if undo.held_keys is not None:
+        if undo.held_keys is not None and undo.held_values is not None:  # both, or neither (a "fresh" step)
             self.keys.copy_(undo.held_keys)
             self.values.copy_(undo.held_values)
         self.cumulative_length, self._oldest = undo.length, undo.oldest

@@ -6,8 +6,10 @@ harness's `HFLM`), a trainer's sampling loop. They all end in `model.generate(**
 module or global is touched besides the documented mask hook that any `HybridRingCache` installs), so that each call
 
 - that passes a cache of its own (`past_key_values=` or, from transformers 5.24, `cache=`) runs unchanged;
-- that turns the cache off (`use_cache=False`) or asks transformers for a cache kind by name (`cache_implementation=`)
-  runs unchanged;
+- that turns the cache off (`use_cache=False`) or asks transformers for a cache kind by name (`cache_implementation=`,
+  in a `generation_config` passed in, or in the model's own `generation_config`, as some checkpoints ship one) runs
+  unchanged: transformers builds the cache it names (a ring passed as well would make it raise "Passing both
+  `cache_implementation` ... and `cache`"); `"hybrid"` names none (transformers unsets it), so it gets the ring;
 - otherwise gets a fresh `HybridRingCache.for_model(model, **cache_options)`, passed under the keyword the installed
   release reads (`hybrid_cache.compat.CACHE_KEYWORD`).
 
@@ -66,16 +68,27 @@ class RingGenerate:
         """Whether a call with `kwargs` gets a fresh ring cache (no cache of its own, cache on, no named kind)."""
         if cache_from_kwargs(kwargs) is not None:
             return False
-        if kwargs.get("cache_implementation") is not None:
+        if self.named_cache_implementation(kwargs) is not None:
             return False
         generation_config = kwargs.get("generation_config")
-        if generation_config is not None and (
-            generation_config.use_cache is False or getattr(generation_config, "cache_implementation", None)
-        ):
+        if generation_config is not None and generation_config.use_cache is False:
             return False
         if kwargs.get("use_cache") is not None:
             return bool(kwargs["use_cache"])
         return getattr(self.model.generation_config, "use_cache", True) is not False
+
+    def named_cache_implementation(self, kwargs: dict[str, Any]) -> str | None:
+        """The `cache_implementation` transformers will build for a call with `kwargs`, resolved as its
+        `_prepare_generation_config` does: the keyword (even `None`) over a `generation_config` passed in, over the
+        model's own `generation_config` (a checkpoint may ship one, e.g. `"static"`); `"hybrid"` counts as none (the
+        default transformers unsets, since it gives sliding-window models their dynamic sliding cache)."""
+        if "cache_implementation" in kwargs:
+            named = kwargs["cache_implementation"]
+        else:
+            named = getattr(kwargs.get("generation_config"), "cache_implementation", None)
+            if named is None:
+                named = getattr(self.model.generation_config, "cache_implementation", None)
+        return None if named == "hybrid" else named
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.wants_ring(kwargs):

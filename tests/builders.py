@@ -12,11 +12,12 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
 
+import pytest
 import torch
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig
 
 from hybrid_cache import HybridRingCache
-from hybrid_cache.compat import cache_kwargs, no_cache_forward_is_exact
+from hybrid_cache.compat import ROLLBACK_SINCE, cache_kwargs, no_cache_forward_is_exact, rollback_supported
 
 VOCAB = 101
 
@@ -203,15 +204,35 @@ def random_images(model, count: int, seed: int = 0) -> dict[str, torch.Tensor]:
 MODEL_BUILDERS = {"gemma3": tiny_gemma3, "gemma4": tiny_gemma4}
 
 
+needs_exact_rollback = pytest.mark.skipif(
+    not rollback_supported(),
+    reason=f"assisted / prompt-lookup decoding over a wrapped ring is exact from transformers {ROLLBACK_SINCE}; older "
+    "releases refuse it (test_generate.py: `speculative` asserts the refusal)",
+)
+
+SPECULATIVE_CASES = ("prompt_lookup", "assisted")
+
+
+def generate_case_params(cases: Sequence[str]) -> list:
+    """`cases` as pytest parameters, the speculative ones (`SPECULATIVE_CASES`) marked `needs_exact_rollback`."""
+    return [pytest.param(case, marks=needs_exact_rollback) if case in SPECULATIVE_CASES else case for case in cases]
+
+
+def reference_cache_kwargs(model) -> dict:
+    """What the no-cache oracle passes to a forward or `generate`: `use_cache=False`, or, where the release's forward
+    without a cache is not the model (`hybrid_cache.compat.no_cache_forward_is_exact`: Gemma 4's KV sharing on 5.5.0 /
+    5.5.1), a fresh DynamicCache for this one call."""
+    if no_cache_forward_is_exact(model.config):
+        return {"use_cache": False}
+    return {**cache_kwargs(DynamicCache(config=model.config)), "use_cache": True}
+
+
 @torch.no_grad()
 def no_cache_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The oracle: one forward over the whole sequence, no cache, the model's native sliding-window mask. (Where the
     release's forward without a cache is not the model, Gemma 4's KV sharing on 5.5.0 / 5.5.1, one forward with a
     fresh DynamicCache: `hybrid_cache.compat.no_cache_forward_is_exact`.)"""
-    if not no_cache_forward_is_exact(model.config):
-        cache = DynamicCache(config=model.config)
-        return model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), use_cache=True).logits
-    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    return model(input_ids=input_ids, attention_mask=attention_mask, **reference_cache_kwargs(model)).logits
 
 
 @torch.no_grad()

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from builders import one_torch_thread
+
+# Tests of attention on the codes test it wherever they run: a layer the native kernel cannot take attends on its codes
+# with torch ops instead of dequantizing when that measures faster (code_path.codes_preferred).
+# tests/core/test_code_kernel_fallback.py tests that choice.
+os.environ.setdefault("HYBRID_CACHE_CODE_FALLBACK", "codes")
 
 
 @pytest.fixture(params=["gemma3", "gemma4"])

@@ -1,5 +1,5 @@
 """What the distributed tests run: the same `generate` calls, with the same caches, in every torchrun rank
-(`dist_worker.py`) and in one process (the reference, `tests/test_distributed.py`).
+(`dist_worker.py`) and in one process (the reference, `tests/core/test_distributed.py`).
 
 A cache name means the same thing in both places: `HybridRingCache.for_model(model)` is the stage's cache under
 pipeline parallelism and the plain cache in one process.

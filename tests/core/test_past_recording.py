@@ -6,7 +6,7 @@ import gc
 import types
 
 import torch
-from builders import MODEL_BUILDERS, tokens
+from builders import MODEL_BUILDERS, needs_exact_rollback, tokens
 from transformers import DynamicCache
 from transformers.configuration_utils import PreTrainedConfig
 
@@ -29,6 +29,7 @@ def reachable_tensor_bytes(root) -> int:
     return sum(storages.values())
 
 
+@needs_exact_rollback
 def test_prompt_lookup_leaves_nothing_behind(model_name):
     """After a prompt-lookup generation (which turns past recording on and never off), a long next turn must not
     keep undo copies alive, and `memory_report()` counts every tensor the cache keeps alive."""
@@ -60,6 +61,7 @@ def test_prompt_lookup_leaves_nothing_behind(model_name):
         assert reachable_tensor_bytes(cache) == cache.memory_report().total_bytes
 
 
+@needs_exact_rollback
 def test_speculation_still_exact_after_recording_rules(model_name):
     """The recording rules (a crop releases the kept window, an un-cropped step ends recording) keep assisted
     decoding exact: tokens equal DynamicCache's."""
@@ -77,3 +79,25 @@ def test_speculation_still_exact_after_recording_rules(model_name):
     with torch.no_grad():
         ring = model.generate(**kwargs, **cache_kwargs(HybridRingCache(model.config)))
         assert torch.equal(ring, model.generate(**kwargs, **cache_kwargs(DynamicCache(config=model.config))))
+
+
+@needs_exact_rollback  # before, nothing records (refused), so nothing needs the signal; 5.14 sets no such attribute
+def test_generate_still_marks_the_cache_it_is_given():
+    """The cache learns that a `generate` call started through the private attribute transformers' `generate` sets
+    on a cache passed in (`compat.GENERATE_START_ATTRIBUTE`): this fails if a release renames it, and the hook is
+    seen to run once per call."""
+    import inspect
+
+    import transformers.generation.utils as generation
+
+    from hybrid_cache.compat import GENERATE_START_ATTRIBUTE
+
+    assert f".{GENERATE_START_ATTRIBUTE} = True" in inspect.getsource(generation)
+    model = MODEL_BUILDERS["gemma3"](window=4)
+    cache = HybridRingCache(model.config)
+    calls = []
+    cache.on_generate_start = lambda: calls.append(cache.get_seq_length())
+    prompt = tokens(6)
+    model.generate(input_ids=prompt, **cache_kwargs(cache), max_new_tokens=2, do_sample=False)
+    model.generate(input_ids=torch.cat([prompt, tokens(9)[:, 6:]], dim=1), **cache_kwargs(cache), max_new_tokens=1)
+    assert calls == [0, 7]

@@ -16,9 +16,10 @@ from transformers.masking_utils import (
 )
 
 import hybrid_cache.mask_hook as mask_hook
-from hybrid_cache import HybridRingCache, RingLayout, UnsupportedAttentionError, install_mask_hook
+from hybrid_cache import HybridRingCache
 from hybrid_cache.compat import cache_kwargs
-from hybrid_cache.mask_hook import DenseMaskRequest, HeldFromOffset, WindowMismatchError
+from hybrid_cache.errors import UnsupportedAttentionError
+from hybrid_cache.mask_hook import DenseMaskRequest, HeldFromOffset, RingLayout, WindowMismatchError, install_mask_hook
 
 
 def run_other_caches(model, input_ids, attention_mask):
@@ -223,14 +224,16 @@ def test_ring_layout_arithmetic():
 
 
 def test_prepared_4d_mask_after_wrap_raises():
-    """A user-prepared 4D mask bypasses mask creation; after the wrap that would be wrong, so it raises."""
+    """A user-prepared 4D mask bypasses mask creation; after the wrap that would be wrong, so it raises (here first on
+    its width: 7 keys where the ring returns 3), and nothing is written."""
     model = tiny_gemma3(window=3)
     cache = HybridRingCache(model.config)
     input_ids = torch.randint(3, VOCAB, (1, 8))
     chunked_logits(model, cache, input_ids[:, :6], [6])
     mask_4d = torch.ones(1, 1, 1, 7, dtype=torch.bool)
-    with pytest.raises(RuntimeError, match="4D attention mask"):
+    with pytest.raises(RuntimeError, match="prepared attention mask 7 keys wide.*returns 3 keys"):
         model(input_ids=input_ids[:, 6:7], attention_mask=mask_4d, **cache_kwargs(cache))
+    assert cache.get_seq_length() == 6
 
 
 def test_mask_interface_default_instance_sees_hook():

@@ -22,6 +22,7 @@ from builders import (
     MODEL_BUILDERS,
     VOCAB,
     chunked_logits,
+    generate_case_params,
     get_model,
     no_cache_logits,
     prompt,
@@ -31,18 +32,14 @@ from builders import (
 )
 from transformers import DynamicCache
 
-from hybrid_cache import (
-    GrowableFullLayer,
-    HybridRingCache,
-    KVQuantizer,
-    QuantizedFullLayer,
-    RingSlidingLayer,
-    StaticQuantizedFullLayer,
-)
+from hybrid_cache import HybridRingCache
 from hybrid_cache import quantizer as quantizer_module
-from hybrid_cache.compare import kv_bytes_held
 from hybrid_cache.compat import cache_kwargs
-from hybrid_cache.quantized import DequantWorkspace, _hadamard
+from hybrid_cache.full import GrowableFullLayer
+from hybrid_cache.quantized import DequantWorkspace, QuantizedFullLayer, StaticQuantizedFullLayer
+from hybrid_cache.quantizer import KVQuantizer, hadamard_matrix
+from hybrid_cache.ring import RingSlidingLayer
+from hybrid_cache.tools.compare import kv_bytes_held
 
 MODES = ("int8", "int4", "fp8")
 WINDOW = 6
@@ -114,7 +111,7 @@ def test_fp8_is_torch_float8_cast_with_group_scale(seed):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_rotation_is_orthogonal_and_keeps_the_error_bound(mode):
-    hadamard = _hadamard(16)
+    hadamard = hadamard_matrix(16)
     torch.testing.assert_close(hadamard @ hadamard, torch.eye(16), rtol=0, atol=1e-6)
     x = random_kv(1)
     plain = KVQuantizer(mode, 64, group_size=16)
@@ -144,7 +141,7 @@ def test_tiled_rotation_of_a_dequantized_history_equals_the_whole_product(seed, 
     unrotated = KVQuantizer(quantizer.mode, 2 * group, group_size=group)
     expected = torch.empty_like(out)
     unrotated.dequantize_into(codes, scales, expected)
-    expected = (expected.unflatten(-1, (2, group)) @ _hadamard(group)).flatten(-2)
+    expected = (expected.unflatten(-1, (2, group)) @ hadamard_matrix(group)).flatten(-2)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     assert workspace[:, :, length:].isnan().all()  # nothing written past the slice
 
@@ -451,7 +448,7 @@ def run_generate(model, inputs, cache, new_tokens=20, seed=7, **kwargs):
     return out.sequences, torch.stack(out.logits, 1)
 
 
-@pytest.mark.parametrize("case", list(GENERATE_CASES))
+@pytest.mark.parametrize("case", generate_case_params(GENERATE_CASES))
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_generate_modes_equal_fake_quant_reference(model_name, mode, case):
     make_inputs, kwargs = GENERATE_CASES[case]

@@ -20,8 +20,10 @@ from builders import (
     VOCAB,
     chunked_logits,
     decode_step_mask,
+    generate_case_params,
     get_model,
     prompt,
+    reference_cache_kwargs,
     repetitive_prompt,
     tiny_gemma3,
     tiny_gemma4,
@@ -29,9 +31,10 @@ from builders import (
 from transformers import DynamicCache
 
 import hybrid_cache.code_attention as code_attention
-from hybrid_cache import CODE_ATTENTION, CodeAttentionError, HybridRingCache, use_code_attention
-from hybrid_cache.code_attention import CompressedKV, code_domain_attention, reference_attention
+from hybrid_cache import HybridRingCache, use_code_attention
+from hybrid_cache.code_attention import CODE_ATTENTION, CompressedKV, code_domain_attention, reference_attention
 from hybrid_cache.compat import cache_kwargs
+from hybrid_cache.errors import CodeAttentionError
 from hybrid_cache.quantized import DequantWorkspace, QuantizedFullLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -334,7 +337,7 @@ def count_code_steps(monkeypatch):
 
 
 @pytest.mark.parametrize("model_name", list(BUILDERS))
-@pytest.mark.parametrize("case", list(GENERATE_CASES))
+@pytest.mark.parametrize("case", generate_case_params(GENERATE_CASES))
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("parts", [1, 2])
 def test_generate_on_codes_equals_the_reference(model_name, mode, case, parts, count_code_steps, monkeypatch):
@@ -409,7 +412,7 @@ def test_other_caches_are_untouched_by_the_attention_function(model_name):
         for model in (with_ours, with_sdpa):
             cache = make(model)
             if cache is None:
-                outputs.append(model(input_ids=ids, use_cache=False).logits)
+                outputs.append(model(input_ids=ids, **reference_cache_kwargs(model)).logits)
             else:
                 outputs.append(chunked_logits(model, cache, ids, schedule))
         assert torch.equal(outputs[0], outputs[1])

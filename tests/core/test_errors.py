@@ -74,9 +74,11 @@ def test_every_error_has_one_base_and_keeps_its_builtin_base():
         "CodeAttentionError": RuntimeError,
         "CodeKernelError": RuntimeError,
         "UnsupportedReleaseError": RuntimeError,
+        "IncompleteStepError": RuntimeError,
+        "PreparedMaskError": RuntimeError,
     }
     assert set(errors.__all__) == set(builtin) | {"HybridCacheError"}
     for name, base in builtin.items():
-        error = getattr(hybrid_cache, name)
+        error = getattr(errors, name)
         assert issubclass(error, hybrid_cache.HybridCacheError) and issubclass(error, base), name
     assert len(hybrid_cache.__all__) <= 16

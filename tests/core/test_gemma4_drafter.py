@@ -9,12 +9,18 @@ import random
 
 import pytest
 import torch
-from builders import VOCAB, tiny_gemma4
+import transformers
+from builders import VOCAB, needs_exact_rollback, tiny_gemma4
 from transformers import DynamicCache, Gemma4TextConfig
-from transformers.models.gemma4_assistant import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
 from hybrid_cache import HybridRingCache
 from hybrid_cache.compat import cache_kwargs
+
+gemma4_assistant = pytest.importorskip(
+    "transformers.models.gemma4_assistant", reason="Gemma 4's drafter arrived in a later transformers release"
+)
+Gemma4AssistantConfig = gemma4_assistant.Gemma4AssistantConfig
+Gemma4AssistantForCausalLM = gemma4_assistant.Gemma4AssistantForCausalLM
 
 
 def tiny_drafter(window: int, attn: str, draft_tokens: int) -> Gemma4AssistantForCausalLM:
@@ -94,6 +100,7 @@ def geometries(count: int, seed: int) -> list:
     return cases
 
 
+@needs_exact_rollback
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("window, prompt_length, draft_tokens, margin", geometries(12, seed=16))
 def test_drafter_logits_equal_dynamic_cache(attn, window, prompt_length, draft_tokens, margin, one_thread):
@@ -104,11 +111,14 @@ def test_drafter_logits_equal_dynamic_cache(attn, window, prompt_length, draft_t
     drafter = tiny_drafter(window, attn, draft_tokens)
     prompt = torch.randint(3, VOCAB, (1, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
     new_tokens = 2 * window + 8
+    try:
+        dynamic_tokens, dynamic_logits = drafted_logits(
+            target, drafter, DynamicCache(config=target.config), prompt, new_tokens
+        )
+    except TypeError as error:  # 5.18's generate builds the drafter's candidate generator without its input_ids
+        pytest.skip(f"transformers {transformers.__version__} cannot run Gemma 4's drafter with any cache: {error}")
     ring_tokens, ring_logits = drafted_logits(
         target, drafter, HybridRingCache(target.config, rollback_margin=margin), prompt, new_tokens
-    )
-    dynamic_tokens, dynamic_logits = drafted_logits(
-        target, drafter, DynamicCache(config=target.config), prompt, new_tokens
     )
     assert torch.equal(ring_tokens, dynamic_tokens)
     assert len(ring_logits) == len(dynamic_logits) > 3, "the drafter should have run several times, past the wrap"

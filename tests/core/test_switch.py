@@ -29,6 +29,7 @@ from transformers import DynamicCache
 import hybrid_cache
 from hybrid_cache import HybridRingCache
 from hybrid_cache.compat import CACHE_KEYWORD, CACHE_KEYWORD_SINCE, TRANSFORMERS_VERSION, cache_kwargs
+from hybrid_cache.switch import is_enabled
 
 
 class ConstructionCounter:
@@ -72,7 +73,7 @@ def test_enabled_generate_equals_dynamic_cache_one_ring_per_call(builder, monkey
     expected = model.generate(**inputs, **GREEDY, **cache_kwargs(DynamicCache(config=model.config)))
     hybrid_cache.enable(model)  # builds (and drops) one cache to check the options
     counter = ConstructionCounter(monkeypatch, HybridRingCache, DynamicCache)
-    assert hybrid_cache.is_enabled(model)
+    assert is_enabled(model)
     for call in range(1, 3):
         out = model.generate(**inputs, **GREEDY, return_dict_in_generate=True)
         assert torch.equal(out.sequences, expected)
@@ -122,7 +123,7 @@ def test_disable_restores_exactly_and_options_are_checked(one_thread):
     hybrid_cache.enable(model, rollback_margin=3)  # replaces the options, does not stack
     assert model.generate.cache_options == {"rollback_margin": 3} and model.generate.previous is None
     hybrid_cache.disable(model)
-    assert "generate" not in model.__dict__ and not hybrid_cache.is_enabled(model)
+    assert "generate" not in model.__dict__ and not is_enabled(model)
     hybrid_cache.disable(model)  # no-op
 
     def someone_elses(*args, **kwargs):
@@ -147,7 +148,7 @@ def test_disable_restores_exactly_and_options_are_checked(one_thread):
 def test_deepcopy_of_an_enabled_model_builds_caches_for_the_copy(one_thread):
     model = hybrid_cache.enable(tiny_gemma3(window=6))
     twin = copy.deepcopy(model)
-    assert twin.generate.model is twin and hybrid_cache.is_enabled(twin)
+    assert twin.generate.model is twin and is_enabled(twin)
     out = twin.generate(**prompt(length=12), **GREEDY, return_dict_in_generate=True)
     assert isinstance(returned_cache(out), HybridRingCache)
 
@@ -186,7 +187,7 @@ def test_cache_keyword_trap_before_5_24(one_thread):
 # --- the embedded model, through transformers' pipeline ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real_model():
-    from hybrid_cache.models import load_model
+    from hybrid_cache.tools.models import load_model
 
     model, tokenizer = load_model()
     return model, tokenizer

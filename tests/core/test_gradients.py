@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import MODEL_BUILDERS, tiny_gemma3, tokens
+from builders import MODEL_BUILDERS, reference_cache_kwargs, tiny_gemma3, tokens
 from transformers import DynamicCache
 
 from hybrid_cache import HybridRingCache
@@ -23,7 +23,7 @@ def test_gradients_through_the_cache(model_name, attn):
     def gradients(cache) -> dict[str, torch.Tensor]:
         model.zero_grad()
         if cache is None:
-            logits = model(input_ids=ids, use_cache=False).logits
+            logits = model(input_ids=ids, **reference_cache_kwargs(model)).logits
         else:
             logits, position = [], 0
             for size in schedule:

@@ -28,7 +28,7 @@ from builders import (
 from hybrid_cache import HybridRingCache
 from hybrid_cache.compat import cache_kwargs
 
-# Random cases per (model, attention); CI runs 25. `HYBRID_CACHE_ORACLE_SEEDS=500 pytest tests/test_oracle.py` to soak.
+# Random cases per (model, attention); CI runs 25. `HYBRID_CACHE_ORACLE_SEEDS=500 pytest tests/core/test_oracle.py` to soak.
 ORACLE_SEEDS = int(os.environ.get("HYBRID_CACHE_ORACLE_SEEDS", "25"))
 
 

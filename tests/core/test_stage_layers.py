@@ -3,15 +3,29 @@ the layers a pipeline stage holds, the splits a cache refuses, and `early_initia
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+
 import pytest
 import torch
-from builders import VOCAB, tiny_gemma3, tiny_gemma4
+from builders import VOCAB, reference_cache_kwargs, tiny_gemma3, tiny_gemma4
 from transformers import DynamicCache
 from transformers.distributed import DistributedConfig
 
 from hybrid_cache import HybridRingCache, restrict_to_stage, stage_layers
 from hybrid_cache.compat import DummyLayer, cache_kwargs
 from hybrid_cache.distributed import check_stage_layers, parallel_sizes, pipeline_layer_range
+from hybrid_cache.errors import UnsupportedReleaseError
+
+_DISTRIBUTED_SIZES = inspect.signature(DistributedConfig).parameters
+needs_tp = pytest.mark.skipif(
+    "tp_size" not in _DISTRIBUTED_SIZES, reason="this release's DistributedConfig has no tp_size"
+)
+needs_pp = pytest.mark.skipif(
+    "pp_size" not in _DISTRIBUTED_SIZES
+    or importlib.util.find_spec("transformers.distributed.pipeline_parallel") is None,
+    reason="this transformers release has no pipeline parallelism (hybrid_cache refuses stages there: test below)",
+)
 
 
 def _distributed(model, **sizes):
@@ -19,6 +33,7 @@ def _distributed(model, **sizes):
     return model.config
 
 
+@needs_pp
 def test_pipeline_config_without_stage_layers_is_refused():
     """Under PP every stage has a cache; built from the config alone it would hold (and wait for) every layer."""
     config = _distributed(tiny_gemma3(), pp_size=2)
@@ -36,7 +51,9 @@ def test_stage_cache_holds_only_its_layers():
     keys = torch.randn(2, 2, 7, 8)
     for index in (3, 4, 5):
         cache.update(keys, keys, index)
-    assert cache.get_seq_length() == 7 and cache.get_query_offset(0) == 7
+    assert cache.get_seq_length() == 7
+    if hasattr(cache, "get_query_offset"):  # the cache protocol's query offset (not in transformers 5.5)
+        assert cache.get_query_offset(0) == 7
     kv_length, layout = cache.get_mask_sizes(1, 0)  # transformers asks about layer 0 when a stage has no full layer
     assert kv_length == 4 and layout.positions.tolist() == cache.layers[3]._slot_positions(8).tolist() == [4, 5, 6, 7]
     report = cache.memory_report()
@@ -72,12 +89,20 @@ def test_kv_sharing_within_a_stage_is_served():
     assert HybridRingCache(config, stage_layers=range(2, 8)).layer_kinds[5:] == ["shared"] * 3
 
 
-def test_pipeline_layer_range_is_transformers_split():
-    assert [list(pipeline_layer_range(stage, 3, 32)) for stage in range(3)] == [
-        list(range(0, 11)),
-        list(range(11, 22)),
-        list(range(22, 32)),
-    ]
+@pytest.mark.skipif(needs_pp.args[0] is False, reason="this release has pipeline parallelism (tested below)")
+def test_stages_are_refused_where_transformers_has_no_pipeline_parallelism():
+    with pytest.raises(UnsupportedReleaseError, match="upgrade transformers or use one stage"):
+        pipeline_layer_range(0, 2, 8)
+
+
+@needs_pp
+@pytest.mark.parametrize("stages, layers", [(2, 8), (3, 32), (4, 26), (3, 4)])
+def test_pipeline_layer_range_is_transformers_split(stages, layers):
+    """Every layer on exactly one stage, in order, none empty (where the remainder goes is transformers' choice: the
+    first stages by 5.24, the last one in 5.18)."""
+    ranges = [pipeline_layer_range(stage, stages, layers) for stage in range(stages)]
+    assert [index for layer_range in ranges for index in layer_range] == list(range(layers))
+    assert all(len(layer_range) >= layers // stages for layer_range in ranges)
     with pytest.raises(ValueError, match="stage must be"):
         pipeline_layer_range(2, 2, 8)
 
@@ -90,6 +115,18 @@ def test_restrict_to_stage_gives_transformers_caches_dummy_layers():
         restrict_to_stage(DynamicCache(), [0])
 
 
+def test_restrict_to_stage_refuses_a_ring_cache_which_holds_its_stage_itself():
+    """Swapping dummy layers into a HybridRingCache would leave its layer specs (each layer's role) stale: refused,
+    naming `for_model`, and the cache is unchanged."""
+    model = tiny_gemma3(layers=6)
+    cache = HybridRingCache(model.config)
+    layers = list(cache.layers)
+    with pytest.raises(TypeError, match="for_model"):
+        restrict_to_stage(cache, range(3, 6))
+    assert cache.layers == layers and cache.layer_kinds == [spec.storage_kind for spec in cache.specs]
+
+
+@needs_tp
 def test_early_initialization_keeps_the_ranks_kv_heads():
     """TP=2 on Gemma 3 (2 KV heads): `num_heads=1` allocates 1 head per layer (it used to be replaced by the config's
     global 2); generate's first update then finds the layout it expects and keeps the buffers."""
@@ -102,6 +139,7 @@ def test_early_initialization_keeps_the_ranks_kv_heads():
     assert cache.layers[0].keys is keys
 
 
+@needs_tp
 def test_early_initialization_scales_per_type_heads_by_the_tp_degree():
     """Gemma 4 with 4 sliding / 2 full KV heads under TP=2: one int names a rank's count of one type; every layer
     gets its own type's count / 2. An int that is no rank's count, or heads TP cannot split, raise."""
@@ -132,5 +170,5 @@ def test_early_initialization_in_one_process_is_unchanged():
     input_ids = torch.randint(3, VOCAB, (1, 9))
     with torch.no_grad():
         got = model(input_ids=input_ids, **cache_kwargs(cache), use_cache=True).logits
-        expected = model(input_ids=input_ids, use_cache=False).logits
+        expected = model(input_ids=input_ids, **reference_cache_kwargs(model)).logits
     assert (got - expected).abs().max() < 1e-4

@@ -14,14 +14,18 @@ from builders import (
     MODEL_BUILDERS,
     VOCAB,
     chunked_logits,
+    generate_case_params,
     get_model,
+    needs_exact_rollback,
     no_cache_logits,
     random_schedule,
+    reference_cache_kwargs,
     seeded_chunk_sizes,
 )
 
-from hybrid_cache import HybridRingCache, RollbackError, SinkWindowFullLayer
+from hybrid_cache import HybridRingCache, RollbackError
 from hybrid_cache.compat import cache_kwargs
+from hybrid_cache.streaming import SinkWindowFullLayer
 
 WINDOW = 6  # sliding window of the tiny models
 
@@ -42,7 +46,7 @@ def bounded_oracle_logits(model, ids: torch.Tensor, schedule: list[int], sinks: 
         "full_attention": full.expand(batch, 1, length, length),
         "sliding_attention": sliding.expand(batch, 1, length, length),
     }
-    return model(input_ids=ids, attention_mask=masks, use_cache=False).logits
+    return model(input_ids=ids, attention_mask=masks, **reference_cache_kwargs(model)).logits
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -100,6 +104,7 @@ def test_slot_contents_and_layout():
 
 
 @pytest.mark.parametrize("margin", [0, 3])
+@needs_exact_rollback
 def test_crop_is_exact_or_raises(model_name, margin):
     """Rolling back `n` tokens equals never having fed them: within the margin, or by undoing the last recorded
     multi-token step (assisted decoding); anything else raises and leaves the cache unchanged."""
@@ -142,7 +147,7 @@ GENERATE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(GENERATE_CASES))
+@pytest.mark.parametrize("case", generate_case_params(GENERATE_CASES))
 def test_generate_modes_run_and_stay_bounded(case):
     model = get_model("gemma3")
     kwargs = dict(GENERATE_CASES[case])

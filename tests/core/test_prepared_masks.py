@@ -17,8 +17,11 @@ def test_prepared_4d_mask_refused_after_crop():
     chunked_logits(model, cache, ids[:, :7], [6, 1])  # the last step was a wrapped one-token step
     cache.crop(-1)  # exact: back to before that step
     before = snapshot(cache)
-    mask_4d = torch.ones(1, 1, 1, 7, dtype=torch.bool)
-    with pytest.raises(RuntimeError, match="4D attention mask"), torch.no_grad():
-        model(input_ids=ids[:, 6:7], attention_mask=mask_4d, **cache_kwargs(cache))
-    assert_unchanged(before, cache)
+    # A mask as wide as the keys the ring returns (3): refused as a layout no mask was built for; one 7 keys wide
+    # (all the tokens): refused first on its width. Neither writes anything.
+    for width, message in ((3, "4D attention mask"), (7, "7 keys wide, but HybridRingCache returns 3 keys")):
+        mask_4d = torch.ones(1, 1, 1, width, dtype=torch.bool)
+        with pytest.raises(RuntimeError, match=message), torch.no_grad():
+            model(input_ids=ids[:, 6:7], attention_mask=mask_4d, **cache_kwargs(cache))
+        assert_unchanged(before, cache)
     assert_close(chunked_logits(model, cache, ids[:, 6:], [1, 1, 1]), no_cache_logits(model, ids)[:, 6:], "resume")

@@ -15,7 +15,9 @@ from builders import (
 )
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from hybrid_cache import HybridRingCache, UnsupportedAttentionError, install_mask_hook
+from hybrid_cache import HybridRingCache
+from hybrid_cache.errors import UnsupportedAttentionError
+from hybrid_cache.mask_hook import install_mask_hook
 
 
 def test_mask_function_registered_after_the_cache(model_name):

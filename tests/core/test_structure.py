@@ -11,31 +11,36 @@ import pytest
 import hybrid_cache
 
 PACKAGE = Path(hybrid_cache.__file__).parent
-# The core: the cache and everything it needs (the tools, bench/ and metrics/ build on it; thin alias modules such as
-# layers.py only re-export).
+# The core: the cache and everything it needs (the tools and metrics/ build on it).
 CORE_MODULES = (
     "attention_maps",
     "cache",
+    "checkpoints",
     "code_attention",
     "code_kernel",
+    "code_path",
     "compat",
     "distributed",
     "errors",
+    "frozen",
     "full",
     "mask_hook",
     "memory",
     "options",
     "quantized",
+    "quantizer",
     "ring",
     "snapshot",
     "specs",
+    "state",
+    "steps",
     "storage",
     "streaming",
     "switch",
     "version",
 )
 MAX_CORE_LINES = 600
-MAX_CONTAINER_LINES = 260
+MAX_CONTAINER_LINES = 250
 MAX_PUBLIC_NAMES = 15
 
 
@@ -51,7 +56,7 @@ def _is_type_checking_block(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _imports(module: str, top_level_only: bool) -> list[tuple[str, list[str]]]:
+def _imports(module: str, top_level_only: bool, type_only: bool = False) -> list[tuple[str, list[str]]]:
     """`(imported module, imported names)` for every import of the package's own modules in `module`; imports under
     `if TYPE_CHECKING:` never run and are left out, and so are imports inside functions when `top_level_only`."""
     path = MODULES[module]
@@ -60,7 +65,7 @@ def _imports(module: str, top_level_only: bool) -> list[tuple[str, list[str]]]:
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if _is_type_checking_block(child):
+            if _is_type_checking_block(child) and not type_only:
                 continue
             nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.ImportFrom) and not (top_level_only and in_function):
@@ -125,6 +130,15 @@ def test_core_has_no_import_cycle_even_lazily():
     assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
 
 
+def test_no_import_cycle_counting_type_only_imports():
+    """Not even imports under `if TYPE_CHECKING:` close a circle: modules that see the container name what they read
+    of it as a Protocol (`state.StateHolder`)."""
+    graph = {
+        module: {target for target, _ in _imports(module, top_level_only=False, type_only=True)} for module in MODULES
+    }
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_private_names_imported_across_modules(module):
     private = [
@@ -181,8 +195,8 @@ def test_only_specs_reads_the_layer_structure_of_the_config():
 
 def test_test_modules_import_no_other_test_module():
     """Shared test code lives in `tests/builders.py`; no test module imports another test module or `conftest`."""
-    tests = Path(__file__).parent
-    test_modules = {path.stem for path in tests.glob("test_*.py")} | {"conftest"}
+    tests = Path(__file__).resolve().parents[1]
+    test_modules = {path.stem for path in tests.rglob("test_*.py")} | {"conftest"}
     offenders = []
     for path in sorted(tests.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -191,3 +205,60 @@ def test_test_modules_import_no_other_test_module():
             elif isinstance(node, ast.Import):
                 offenders += [f"{path.name}: import {a.name}" for a in node.names if a.name in test_modules]
     assert not offenders, offenders
+
+
+def test_every_module_has_code_of_its_own():
+    """No module is only imports (an alias of another path): each defines something, or is a docstring alone. The
+    package's `__init__` is the exception: it re-exports the public API (`__all__`)."""
+
+    def reexport(node: ast.stmt) -> bool:
+        is_all = isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "__all__"
+        return isinstance(node, (ast.Import, ast.ImportFrom)) or is_all
+
+    only_imports = []
+    for name, path in MODULES.items():
+        body = [node for node in ast.parse(path.read_text()).body if not isinstance(node, ast.Expr)]
+        if name != "hybrid_cache" and body and all(reexport(node) for node in body):
+            only_imports.append(name)
+    assert not only_imports, f"modules that only import: {only_imports}"
+
+
+def test_the_container_asks_layers_instead_of_checking_their_class():
+    """cache.py never asks a layer which class it is (`isinstance(layer, ...)`, `type(layer) is ...`): layers say
+    what they can do (`ring_ordered`, `attends_on_codes`, `records_steps`, `drops_tokens_by_design`)."""
+    import hybrid_cache.cache as cache_module
+
+    tree = ast.parse((PACKAGE / "cache.py").read_text())
+    layer_classes = {
+        name
+        for name, value in vars(cache_module).items()
+        if isinstance(value, type) and hasattr(value, "update") and hasattr(value, "get_seq_length")
+    }
+    checks = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "type", "issubclass"):
+            names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            if names & layer_classes:
+                checks.append(f"cache.py:{node.lineno}: {ast.unparse(node)}")
+    assert not checks, checks
+
+
+def test_constructor_and_options_list_the_same_options():
+    """`CacheOptions` is the one list of options: the constructor takes exactly its fields (besides `config` and
+    `stage_layers`), with the same defaults, and passes each by name (the dataclass is keyword-only)."""
+    import dataclasses
+    import inspect
+
+    from hybrid_cache import HybridRingCache
+    from hybrid_cache.options import CacheOptions
+
+    parameters = dict(inspect.signature(HybridRingCache.__init__).parameters)
+    for name in ("self", "config", "stage_layers"):
+        parameters.pop(name)
+    fields = {field.name: field.default for field in dataclasses.fields(CacheOptions)}
+    assert {name: p.default for name, p in parameters.items()} == fields
+    with pytest.raises(TypeError):
+        CacheOptions(None, 0)  # positional construction is refused
+    tree = ast.parse((PACKAGE / "cache.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "CacheOptions"]
+    assert calls and all(not call.args and len(call.keywords) == len(fields) for call in calls)

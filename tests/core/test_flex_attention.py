@@ -11,7 +11,9 @@ import pytest
 import torch
 from builders import MODEL_BUILDERS, VOCAB, chunked_logits, no_cache_logits
 
-from hybrid_cache import HybridRingCache, RingLayout
+from hybrid_cache import HybridRingCache
+from hybrid_cache.code_kernel import cpu_features
+from hybrid_cache.mask_hook import RingLayout
 
 # transformers' own flex integration warns on CPU (its `create_block_mask(_compile=True)` flag is deprecated in torch
 # 2.13; torch notes an unfused fallback while tracing): not about this package, and the same with every cache.
@@ -30,6 +32,14 @@ def _static_shapes():
     torch._dynamo.reset()
 
 
+# On a CPU without AVX-512 (an AVX2 AMD EPYC here), torch 2.13's compiled CPU flex kernels give logits 0.13 off the
+# no-cache forward at the second one-token step of this schedule with transformers' own DynamicCache as with the ring
+# (measured side by side: 0.1308 both); not a cache defect, and exact on the AVX-512 machines CI ran on before.
+@pytest.mark.xfail(
+    "avx512f" not in cpu_features(),
+    reason="torch's CPU flex attention is not exact without AVX-512 (DynamicCache is off identically)",
+    strict=False,
+)
 def test_flex_attention_exact_after_the_wrap(model_name):
     model = MODEL_BUILDERS[model_name](window=4, attn="flex_attention")
     ids = torch.randint(3, VOCAB, (2, 14), generator=torch.Generator().manual_seed(0))

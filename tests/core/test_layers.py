@@ -10,8 +10,11 @@ import random
 import pytest
 import torch
 
-from hybrid_cache import GrowableFullLayer, RingLayout, RingSlidingLayer, RollbackError, StaticFullLayer
-from hybrid_cache.layers import CacheCapacityError
+from hybrid_cache import RollbackError
+from hybrid_cache.errors import CacheCapacityError
+from hybrid_cache.full import GrowableFullLayer, StaticFullLayer
+from hybrid_cache.mask_hook import RingLayout
+from hybrid_cache.ring import RingSlidingLayer
 
 
 def kv(start: int, count: int, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ and Gemma 4. Then the refusals: a file or a state loaded into a cache that store
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import random
@@ -22,9 +23,10 @@ from builders import MODEL_BUILDERS, VOCAB, chunked_logits
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybrid_cache import HybridRingCache, QuantizedFullLayer, SinkWindowFullLayer, snapshot
+from hybrid_cache import HybridRingCache, snapshot
 from hybrid_cache.compat import cache_kwargs
-from hybrid_cache.quantized import DequantWorkspace
+from hybrid_cache.quantized import DequantWorkspace, QuantizedFullLayer
+from hybrid_cache.streaming import SinkWindowFullLayer
 
 SEEDS = int(os.environ.get("HYBRID_CACHE_SNAPSHOT_SEEDS", "12"))
 
@@ -161,14 +163,14 @@ def test_compressed_and_bounded_caches_continue_exactly(model_name, seed, tmp_pa
     ids=["int4", "fp8-uncalibrated", "int8-rotated-static", "sink-window"],
 )
 def test_file_holds_each_layers_own_state(options, tmp_path):
-    """Version 2 files name each storage's tensors (codes and scales, never dequantized) and settings."""
+    """Files name each storage's tensors (codes and scales, never dequantized) and settings."""
     model = get_model("gemma3", 4)
     cache = prefilled(model, options, torch.randint(3, VOCAB, (1, 13)), random.Random(0))
     path = tmp_path / "cache.safetensors"
     cache.save(path)
     full = next(i for i, kind in enumerate(cache.layer_kinds) if kind == "full_attention")
     with safe_open(path, framework="pt") as handle:
-        assert handle.metadata()["hybrid_cache.format_version"] == "2"
+        assert handle.metadata()["hybrid_cache.format_version"] == "3"
         names = {name.split(".", 2)[2] for name in handle.keys() if name.startswith(f"layers.{full}.")}
         if "full_layer_quantization" in options:
             assert handle.get_tensor(f"layers.{full}.key_codes").dtype in (torch.int8, torch.float8_e4m3fn)
@@ -181,12 +183,20 @@ def test_file_holds_each_layers_own_state(options, tmp_path):
         )
 
 
-def test_exact_caches_are_still_written_as_version_1(tmp_path):
+@pytest.mark.parametrize("options", [{}, {"full_layer_quantization": "int4"}, {"full_layer_window": 3}], ids=str)
+def test_files_record_every_option_by_name(options, tmp_path):
+    """`save` writes every `CacheOptions` field by name and `load` rebuilds the same options from them (nothing
+    dropped back to a default): exact, compressed and bounded caches alike, and a non-default of every kind."""
+    import dataclasses
+
     model = get_model("gemma3", 4)
-    cache = prefilled(model, {}, torch.randint(3, VOCAB, (1, 9)), random.Random(0))
+    options = {**options, "rollback_margin": 2, "initial_capacity": 16, "dense_decode_mask": False}
+    cache = prefilled(model, options, torch.randint(3, VOCAB, (1, 9)), random.Random(0))
     cache.save(tmp_path / "cache.safetensors")
     with safe_open(tmp_path / "cache.safetensors", framework="pt") as handle:
-        assert handle.metadata()["hybrid_cache.format_version"] == "1"
+        saved = json.loads(handle.metadata()["hybrid_cache.state"])["options"]
+    assert saved == dataclasses.asdict(cache.options)
+    assert HybridRingCache.load(tmp_path / "cache.safetensors", model.config).options == cache.options
 
 
 # --- checkpoints of compressed layers keep only the length: refused once their tokens were rewritten --------------
@@ -282,17 +292,19 @@ def test_layers_own_their_state():
     assert not other.accepts_state(meta)  # another capacity as well
 
 
-def test_file_whose_layers_disagree_with_its_arguments_is_invalid(tmp_path):
-    """`load` builds the cache from the file's arguments: a layer saved with other settings (an edited header) is an
-    invalid file, named as such, not a cache that would continue differently."""
+def test_file_whose_layers_disagree_with_its_options_is_invalid(tmp_path):
+    """`load` builds the cache from the file's options: a layer saved with other settings (an edited header whose
+    digest was recomputed too) is an invalid file, named as such, not a cache that would continue differently."""
     model = get_model("gemma3", 4)
     path = tmp_path / "cache.safetensors"
     prefilled(model, {"full_layer_quantization": "int8"}, torch.randint(3, VOCAB, (1, 9)), random.Random(0)).save(path)
     with safe_open(path, framework="pt") as handle:
         header = handle.metadata()
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    state = json.loads(header["hybrid_cache.state"])
-    state["arguments"]["full_layer_quantization"] = "int4"
-    save_file(tensors, path, metadata={**header, "hybrid_cache.state": json.dumps(state)})
+    state, digest = json.loads(header["hybrid_cache.state"]), json.loads(header["hybrid_cache.digest"])
+    state["options"]["full_layer_quantization"] = "int4"
+    digest["options"] = hashlib.sha256(json.dumps(state["options"], sort_keys=True).encode()).hexdigest()
+    forged = {**header, "hybrid_cache.state": json.dumps(state), "hybrid_cache.digest": json.dumps(digest)}
+    save_file(tensors, path, metadata=forged)
     with pytest.raises(ValueError, match="not a valid HybridRingCache file: layer 5: full_layer_quantization"):
         HybridRingCache.load(path, model.config)

@@ -14,7 +14,7 @@ from builders import MODEL_BUILDERS, chunked_logits, tokens
 
 from hybrid_cache import HybridRingCache
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 CHILD = """

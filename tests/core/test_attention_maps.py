@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import MODEL_BUILDERS, chunked_logits, tokens
+from builders import MODEL_BUILDERS, chunked_logits, reference_cache_kwargs, tokens
 
 from hybrid_cache import HybridRingCache, attention_in_time_order
 from hybrid_cache.compat import cache_kwargs
@@ -19,7 +19,7 @@ def test_attention_maps_in_time_order(model_name):
     chunked_logits(model, cache, ids[:, :14], [9] + [1] * 5)
     with torch.no_grad():
         step = model(input_ids=ids[:, 14:], **cache_kwargs(cache), output_attentions=True)
-        full = model(input_ids=ids, use_cache=False, output_attentions=True)
+        full = model(input_ids=ids, **reference_cache_kwargs(model), output_attentions=True)
     checked = 0
     for layer_idx, weights in enumerate(step.attentions):
         store = layer_idx if cache.layer_kinds[layer_idx] != "shared" else _store_layer(model, cache, layer_idx)

@@ -24,10 +24,10 @@ from builders import tiny_gemma3, tiny_gemma4
 from transformers import AutoModelForCausalLM
 
 from hybrid_cache.distributed import pipeline_layer_range
-from hybrid_cache.planner import plan_kv_memory
+from hybrid_cache.tools.planner import plan_kv_memory
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER_DIR = Path(__file__).resolve().parent / "distributed"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_DIR = Path(__file__).resolve().parents[1] / "distributed"
 sys.path.insert(0, str(WORKER_DIR))
 import dist_scenarios  # noqa: E402 - lives next to the worker, which imports it too
 

@@ -19,7 +19,7 @@ import transformers
 from builders import get_model, left_padded_batch, prompt, repetitive_prompt, tiny_gemma3, tokens
 from transformers import DynamicCache
 
-from hybrid_cache import HybridRingCache, RingSlidingLayer, RollbackError
+from hybrid_cache import HybridRingCache, RollbackError
 from hybrid_cache.compat import (
     CACHE_KEYWORD,
     DYNAMIC_SLIDING_CROP_SINCE,
@@ -31,6 +31,7 @@ from hybrid_cache.compat import (
     no_cache_forward_is_exact,
     rollback_supported,
 )
+from hybrid_cache.ring import RingSlidingLayer
 
 WINDOW = 6
 PROMPT_LEN = 15
