@@ -2,7 +2,7 @@
 
 In `generate`, only decode steps (at most `MAX_CODE_QUERY_LENGTH` = 16 tokens) attend on the codes; the perplexity
 tool feeds a text in chunks (512 tokens by default), which would keep the dequantizing path. This wrapper runs
-`python -m hybrid_cache.perplexity` with the model's attention set to ``hybrid_cache_sdpa`` and every compressed
+`python -m hybrid_cache.tools.cli.perplexity` with the model's attention set to ``hybrid_cache_sdpa`` and every compressed
 layer attending on its codes for steps of up to `--max-query-length` tokens (default: any chunk), so that every query
 after the first chunk is computed exactly as a decode step computes it (query rounded per query and group, int32
 products of codes, the chunk's own keys and values exact as in both paths). `ring-int*-deq` caches in the same run

@@ -1,4 +1,4 @@
-"""Decode benchmark (thin wrapper): ``python benchmarks/decode.py [options]`` == ``python -m hybrid_cache.bench``."""
+"""Decode benchmark (thin wrapper): ``python benchmarks/decode.py [options]`` == ``python -m hybrid_cache.tools.cli.bench``."""
 
 import sys
 

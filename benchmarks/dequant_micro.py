@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid_cache.quantized import KVQuantizer  # noqa: E402
+from hybrid_cache.quantizer import KVQuantizer  # noqa: E402
 
 
 def timed(function, repeats: int = 5) -> str:

@@ -75,9 +75,9 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.
 if device.startswith("cuda"):
     assert torch.cuda.is_available(), "torch sees no CUDA device"
     print("device:", torch.cuda.get_device_name(device))
-from hybrid_cache.tools import bench
+from hybrid_cache.tools.bench.workload import DTYPES, load_bench_model
 start = time.perf_counter()
-model = bench.load_bench_model(model_name, bench.DTYPES[dtype], 512, device=device)
+model = load_bench_model(model_name, DTYPES[dtype], 512, device=device)
 print(f"model {model_name} loaded on {device} in {time.perf_counter() - start:.1f} s")
 EOF
 
@@ -107,7 +107,8 @@ with open(os.path.join(out_dir, "all.json"), "w") as f:
     json.dump(runs, f, indent=1)
 with open(os.path.join(out_dir, "summary.txt"), "w") as f:
     f.write("\n".join(lines) + "\n")
-from hybrid_cache.tools.bench import BenchResult, plot_results
+from hybrid_cache.tools.bench.decode import BenchResult
+from hybrid_cache.tools.bench.report import plot_results
 fields = set(BenchResult.__dataclass_fields__)
 compiled = [BenchResult(**{k: v for k, v in r.items() if k in fields}) for name, data in runs.items()
             if name.startswith("compiled_") for r in data.get("results", [])]
@@ -119,9 +120,9 @@ EOF
 bench() {  # bench NAME TIMEOUT ARGS...: one benchmark command; JSON and log in $RUNS_DIR, merged into $OUT_DIR
     local name="$1" limit="$2"
     shift 2
-    log "run $name: python -m hybrid_cache.bench $*"
+    log "run $name: python -m hybrid_cache.tools.cli.bench $*"
     # shellcheck disable=SC2086
-    timeout --signal=INT --kill-after=20 "$limit" "$PY" -m hybrid_cache.bench --device "$DEVICE" --model "$MODEL" \
+    timeout --signal=INT --kill-after=20 "$limit" "$PY" -m hybrid_cache.tools.cli.bench --device "$DEVICE" --model "$MODEL" \
         --dtypes "$DTYPE" $BENCH_EXTRA "$@" --json "$RUNS_DIR/$name.json" 2>&1 | tee "$RUNS_DIR/$name.log" \
         | grep -v "^ *$" >>"$LOG"
     local rc=${PIPESTATUS[0]}

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid_cache.quantized import KVQuantizer  # noqa: E402
+from hybrid_cache.quantizer import KVQuantizer  # noqa: E402
 
 
 def capture(tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:

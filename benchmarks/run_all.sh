@@ -24,7 +24,7 @@ run() {  # run NAME COMMAND...: unless ONLY is set and does not name it
     echo "== $name: $((SECONDS - start)) s (load average after: $(load))" | tee -a "$OUT/$name.log"
 }
 
-bench() { "$PYTHON" -m hybrid_cache.bench "$@"; }
+bench() { "$PYTHON" -m hybrid_cache.tools.cli.bench "$@"; }
 
 # Decode, real model (Gemma 3 270M), both dtypes.
 run decode_real bench --model default --dtypes bfloat16 float32 --contexts 1024 4096 16384 --batch 1 8 --steps 4 \

@@ -26,10 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList  # noqa: E402
 
-from hybrid_cache import (
-    HybridRingCache,  # noqa: E402
-    cache_kwargs,
-)
+from hybrid_cache import HybridRingCache, cache_kwargs
 from hybrid_cache.tools.compare import full_cache_bytes_per_token, kv_bytes_held  # noqa: E402
 from hybrid_cache.tools.progress import Progress  # noqa: E402
 

@@ -51,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=len(QUESTIONS), help="how many of the questions to ask")
     args = parser.parse_args(argv)
 
-    from hybrid_cache import HybridRingCache, read_metadata
+    from hybrid_cache import HybridRingCache
+    from hybrid_cache.snapshot import read_metadata
     from hybrid_cache.tools.models import load_model
     from hybrid_cache.tools.prefix import prefill, time_to_first_token
     from hybrid_cache.tools.text import load_text

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Sourced by scripts/setup.sh, scripts/test.sh, scripts/main_job.sh and examples/main_job.sh: chooses the one Python
+# Sourced by scripts/setup.sh, scripts/test.sh and scripts/main_job.sh: chooses the one Python
 # interpreter all of them use, and exports it as PYTHON (so every later step, and every script they call, uses it):
 #
 #   1. PYTHON, if set (a command or a path). If it cannot install packages (an "externally managed" system Python,
