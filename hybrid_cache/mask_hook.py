@@ -580,8 +580,10 @@ def check_prepared_mask_width(layer: Any, layer_idx: int, query_length: int, cal
         raise PreparedMaskError(
             f"Layer {layer_idx} was given a prepared attention mask {mask.shape[-1]} keys wide, but HybridRingCache "
             f"returns {int(kv_length)} keys for this step of {query_length} token(s) (a sliding-window ring returns "
-            f"at most its window, in its own slot order once wrapped; a mask prepared for another cache, or for this "
-            f"one before a crop / reset / restore, does not fit). Nothing was written by this layer. Pass a 2D "
+            f"at most its window, in its own slot order once wrapped; a mask prepared for another cache, for this "
+            f"one before a crop / reset / restore, or by a model whose own code sizes sliding masks for the whole "
+            f"conversation (transformers 5.14's Gemma 3 / 4 given token types, where DynamicCache fails too) does not "
+            f"fit). Nothing was written by this layer. Pass a 2D "
             f"attention mask (or none) so the model builds the masks for this cache, or build the prepared masks "
             f"from this cache right before the step (`create_masks_for_generate(..., cache=cache)`)."
         )

@@ -44,6 +44,19 @@ def returned_cache(output):
     return getattr(output, "cache", None) or output.past_key_values
 
 
+def bound_paged_cache_memory(monkeypatch, headroom: int = 256 << 20) -> None:
+    """Continuous batching sizes its paged cache from the machine's memory (on CPU a share of
+    `psutil.virtual_memory().total`, on every release in range): 20 GiB on a 24 GiB machine, which with a second test
+    process ran it out of memory. Report `headroom` bytes above what this process holds instead."""
+    psutil = pytest.importorskip("psutil")
+    real = psutil.virtual_memory
+
+    def bounded():
+        return real()._replace(total=psutil.Process().memory_info().rss + headroom)
+
+    monkeypatch.setattr(psutil, "virtual_memory", bounded)
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_gemma3(window=4)
@@ -54,6 +67,8 @@ def model():
 def test_named_cache_implementation_passes_through(model, implementation, where, monkeypatch, one_thread):
     inputs = prompt(length=9)
     monkeypatch.setattr(model.generation_config, "cache_implementation", None)
+    if implementation == "paged":
+        bound_paged_cache_memory(monkeypatch)
     kwargs = dict(GREEDY)
     if where == "model_config":
         monkeypatch.setattr(model.generation_config, "cache_implementation", implementation)
