@@ -408,6 +408,9 @@ def _before_write(cache: HybridRingCache, layer_idx: int, query_length: int, upd
         cache._assisted_start_length = 0
     if journal.starts_step(layer_idx):
         journal.settle(cache.layers)
+        for layer in cache.layers:  # fixed capacity (`max_cache_len`): refused here, not after the rings wrote
+            if hasattr(layer, "check_fits"):
+                layer.check_fits(query_length)
         attention = getattr(cache.config, "_attn_implementation", None)
         if cache.options.full_layer_code_attention and attention != CODE_ATTENTION:
             raise CodeAttentionError(

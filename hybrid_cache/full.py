@@ -14,6 +14,7 @@ from .storage import (
     NOTHING_WRITTEN,
     StorageLayer,
     capacity_after_decoding,
+    check_fixed_capacity,
     mark_static,
     prepare_fixed_capacity_step,
     refuse_static_autograd,
@@ -50,6 +51,9 @@ class FixedCapacityCounters(_MixedInto):
         self.max_cache_len = int(max_cache_len)
         self.length_tensor = torch.zeros((), dtype=torch.long)
         self.floor_tensor = torch.full((), NOTHING_WRITTEN, dtype=torch.long)
+
+    def check_fits(self, query_length: int) -> None:
+        check_fixed_capacity(self, query_length)
 
     def note_write(self, position: int | torch.Tensor) -> None:
         # A tensor op, so that compiled decode steps record their writes too.

@@ -31,6 +31,7 @@ __all__ = [
     "check_shapes",
     "grown_capacity",
     "mark_static",
+    "check_fixed_capacity",
     "prepare_fixed_capacity_step",
     "refuse_static_autograd",
     "resolve_crop_length",
@@ -172,6 +173,10 @@ class StorageLayer(CacheLayerMixin):
 
     def _new_buffer(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return like.new_zeros(shape) if self._zero_fill else like.new_empty(shape)
+
+    def check_fits(self, query_length: int) -> None:
+        """Raise `CacheCapacityError` (changing nothing) if a step of `query_length` tokens cannot be stored. Asked of
+        every layer when a step starts, before the first one writes; storage that grows always fits."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -504,12 +509,17 @@ def prepare_fixed_capacity_step(
     """Eager checks before a fixed-capacity (`max_cache_len`) full layer's step: shapes / allocation, then capacity.
     Returns the length after the step; raises `CacheCapacityError` (changing nothing) when it would not fit."""
     layer._prepare(key_states, value_states)
-    end = layer.cumulative_length + key_states.shape[-2]
+    return check_fixed_capacity(layer, key_states.shape[-2])
+
+
+def check_fixed_capacity(layer: FixedCapacityLayer, query_length: int) -> int:
+    """The length after a step of `query_length` tokens, or `CacheCapacityError` when it exceeds `max_cache_len`."""
+    end = int(layer.cumulative_length) + query_length
     if end > layer.max_cache_len:
         raise CacheCapacityError(
             f"The full-attention layers were allocated for max_cache_len={layer.max_cache_len} tokens, but "
-            f"{end} are needed. Create the cache with a larger `max_cache_len` (prompt + max_new_tokens), or "
-            f"leave it unset for storage that grows."
+            f"{end} are needed. Nothing was written. Create the cache with a larger `max_cache_len` (prompt + "
+            f"max_new_tokens), or leave it unset for storage that grows."
         )
     return end
 

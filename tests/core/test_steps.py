@@ -18,7 +18,7 @@ from builders import VOCAB, chunked_logits, no_cache_logits, tiny_gemma3, tiny_g
 
 from hybrid_cache import HybridRingCache, cache_kwargs
 from hybrid_cache.code_attention import CODE_ATTENTION
-from hybrid_cache.errors import CodeAttentionError, HybridCacheError, IncompleteStepError
+from hybrid_cache.errors import CacheCapacityError, CodeAttentionError, HybridCacheError, IncompleteStepError
 
 TOLERANCE = 1e-4
 
@@ -216,3 +216,27 @@ def test_a_refusal_inside_attention_on_the_codes_undoes_the_step():
         got = forward(model, cache, ids[:, 9:12])
         expected = forward(model, reference, ids[:, 9:12])
     assert (got - expected).abs().max() < TOLERANCE
+
+
+@pytest.mark.parametrize("reload", [False, True], ids=["same-cache", "after-save-and-load"])
+def test_a_step_beyond_max_cache_len_is_refused_before_the_rings_write(reload, tmp_path):
+    """Found by the fuzzer's long mode: the full layer's capacity was checked when it stored, after the rings (layers
+    0-4) had written a wrapped 7-token step, which a loaded cache (no window kept from the last step) could not undo.
+    The capacity is checked when the step starts: refused, nothing written, and the cache continues exactly."""
+    model = tiny_gemma3(window=3)
+    ids = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(4))
+    cache = HybridRingCache(model.config, max_cache_len=12)
+    with torch.no_grad():
+        forward(model, cache, ids[:, :1])
+        if reload:
+            cache.save(tmp_path / "cache.safetensors")
+            cache = HybridRingCache.load(tmp_path / "cache.safetensors", model.config)
+        forward(model, cache, ids[:, 1:8])
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        with pytest.raises(CacheCapacityError, match="Nothing was written"):
+            forward(model, cache, torch.randint(3, VOCAB, (1, 7)))
+        assert cache.get_seq_length() == 8
+        for (keys, values), layer in zip(before, cache.layers):
+            assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
+        got = forward(model, cache, ids[:, 8:12])
+    assert (got - no_cache_logits(model, ids[:, :12])[:, 8:12]).abs().max() < TOLERANCE
