@@ -28,10 +28,10 @@ __all__ = [
     "NOTHING_WRITTEN",
     "StorageLayer",
     "capacity_after_decoding",
+    "check_fixed_capacity",
     "check_shapes",
     "grown_capacity",
     "mark_static",
-    "check_fixed_capacity",
     "prepare_fixed_capacity_step",
     "refuse_static_autograd",
     "resolve_crop_length",
@@ -174,14 +174,14 @@ class StorageLayer(CacheLayerMixin):
     def _new_buffer(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return like.new_zeros(shape) if self._zero_fill else like.new_empty(shape)
 
-    def check_fits(self, query_length: int) -> None:
-        """Raise `CacheCapacityError` (changing nothing) if a step of `query_length` tokens cannot be stored. Asked of
-        every layer when a step starts, before the first one writes; storage that grows always fits."""
-
     def __init__(self) -> None:
         super().__init__()
         self.cumulative_length = 0
         self.write_floor = NOTHING_WRITTEN
+
+    def check_fits(self, query_length: int) -> None:
+        """Raise `CacheCapacityError` (changing nothing) if a step of `query_length` tokens cannot be stored. Asked of
+        every layer when a step starts, before the first one writes; storage that grows always fits."""
 
     def note_write(self, position: int) -> None:
         """Record that the stored tokens from `position` on may have changed.
