@@ -28,9 +28,15 @@ where it can run), `off` (never), `on` (raise `CodeKernelError` where it cannot 
 `kernel_status()` says which applies, with the instruction set, or why not (building the kernel if needed); the
 benchmarks print it.
 
-Threads: `torch.get_num_threads()` threads per call (the caller and workers of a pool the library keeps between calls;
-a forked child starts its own), each taking whole (batch x head, token range) items; calls are serialized, and the
-call releases the GIL (ctypes).
+Threads: `torch.get_num_threads()` threads per call, each taking whole (batch x head, token range) items; calls are
+serialized, and the call releases the GIL (ctypes). Where torch runs its parallel operations on GNU OpenMP (torch's
+Linux wheels, which bundle libgomp), the library is built with `-fopenmp` and linked to the very runtime torch loaded,
+so a call runs on torch's own OpenMP team: its workers, which spin for a while after each torch operation, take the
+kernel's items instead of competing with a second set of threads for the cores (docs/quantization.md, "Speed").
+Elsewhere (macOS,
+another OpenMP runtime, a compiler that cannot build it, a child forked after the library was loaded) the library
+keeps its own pool of worker threads between calls. `HYBRID_CACHE_CODE_KERNEL_THREADS=auto|pthreads` (read at every
+call, like the two switches above) forces the pool, to measure one against the other.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ __all__ = [
     "INSTRUCTION_SETS",
     "ISA_ENV",
     "KERNEL_ENV",
+    "THREADS_ENV",
     "CodeKernelError",
     "available_isas",
     "cpu_features",
@@ -66,12 +73,14 @@ __all__ = [
     "kernel_status",
     "kernel_usable",
     "missing_features",
+    "torch_openmp_runtime",
 ]
 
 logger = logging.getLogger(__name__)
 
 KERNEL_ENV = "HYBRID_CACHE_CODE_KERNEL"
 ISA_ENV = "HYBRID_CACHE_CODE_KERNEL_ISA"
+THREADS_ENV = "HYBRID_CACHE_CODE_KERNEL_THREADS"
 _SOURCE = Path(__file__).with_name("csrc") / "code_attention.c"
 _COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
 
@@ -125,6 +134,16 @@ def _isa_setting() -> str:
         raise CodeKernelError(
             f"{ISA_ENV}={setting!r} is not an instruction set; use auto (the default) or one of "
             f"{', '.join(INSTRUCTION_SETS)}."
+        )
+    return setting
+
+
+def _threads_setting() -> str:
+    setting = os.environ.get(THREADS_ENV, "auto").strip().lower() or "auto"
+    if setting not in ("auto", "pthreads"):
+        raise CodeKernelError(
+            f"{THREADS_ENV}={setting!r} is not a setting; use auto (the default: torch's OpenMP threads where it can) "
+            "or pthreads (the library's own pool)."
         )
     return setting
 
@@ -196,9 +215,58 @@ def build_dir() -> Path:
     return Path(base) / "hybrid_cache"
 
 
-def _build(isa: str) -> tuple[Path, str]:
-    """Compile the kernel for `isa` (once per source, compiler and flags); return the library's path and the name of
-    the build (the set, with its extension where the CPU has it)."""
+def torch_openmp_runtime() -> tuple[Path | None, str]:
+    """(the GNU OpenMP runtime torch's parallel operations run on, or None, and why not): among the process's loaded
+    libraries (Linux's /proc/self/maps), the libgomp inside torch's own installation (`torch/lib`, or `torch.libs`
+    where the wheel renamed it); other packages (scikit-learn, for one) load libgomps of their own."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None, "torch's parallel backend is not OpenMP"
+    try:
+        with open("/proc/self/maps") as f:
+            loaded = {Path(line.split(maxsplit=5)[-1].strip()) for line in f if "/libgomp" in line}
+    except OSError:
+        return None, "the loaded libraries cannot be listed (no /proc/self/maps)"
+    package = Path(torch.__file__).resolve().parent
+    homes = (package, package.parent / "torch.libs")
+    torchs = sorted(path for path in loaded if any(path.resolve().is_relative_to(home) for home in homes))
+    if len(torchs) == 1:
+        return torchs[0], f"torch's OpenMP runtime {torchs[0]}"
+    if not loaded:
+        return None, "torch's OpenMP runtime is not GNU libgomp"
+    return (
+        None,
+        f"cannot tell which of the loaded GNU OpenMP runtimes is torch's ({', '.join(map(str, sorted(loaded)))})",
+    )
+
+
+def _compile(compiler: str, flags: tuple[str, ...], openmp: Path | None, output: str) -> subprocess.CompletedProcess:
+    """One build: with `openmp`, compiled with -fopenmp and linked to that runtime (not the compiler's own)."""
+    if openmp is None:
+        return subprocess.run(
+            [compiler, *flags, str(_SOURCE), "-o", output], capture_output=True, text=True, check=False
+        )
+    compile_only = [f for f in flags if f != "-shared"]
+    obj = f"{output}.o"
+    try:
+        result = subprocess.run(
+            [compiler, *compile_only, "-fopenmp", "-c", str(_SOURCE), "-o", obj],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode:
+            return result
+        link = [compiler, "-shared", "-pthread", obj, str(openmp), f"-Wl,-rpath,{openmp.parent}", "-o", output]
+        return subprocess.run(link, capture_output=True, text=True, check=False)
+    finally:
+        if os.path.exists(obj):
+            os.remove(obj)
+
+
+def _build(isa: str, openmp: Path | None = None) -> tuple[Path, str]:
+    """Compile the kernel for `isa` (once per source, compiler, flags and OpenMP runtime), on `openmp`'s threads
+    where given; return the library's path and the name of the build (the set, with its extension where the CPU has
+    it)."""
     spec = INSTRUCTION_SETS[isa]
     flags, name = (*_COMMON_FLAGS, *spec.flags), isa
     if spec.extension is not None and spec.extension[0] in cpu_features():
@@ -208,21 +276,21 @@ def _build(isa: str) -> tuple[Path, str]:
         raise CodeKernelError(f"no C compiler: `{compiler}` is not on PATH (install gcc, or set CC)")
     source = _SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(source + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    recipe = " ".join(flags) + (f" -fopenmp {openmp}" if openmp else "")
+    key = hashlib.sha256(source + version.encode() + recipe.encode()).hexdigest()[:16]
     directory = build_dir()
-    library = directory / f"code_attention-{name}-{key}.so"
+    library = directory / f"code_attention-{name}-{'openmp' if openmp else 'pthreads'}-{key}.so"
     if library.exists():
         return library, name
     directory.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(dir=directory, prefix=library.stem, suffix=".tmp")
     os.close(handle)
     try:
-        result = subprocess.run(
-            [compiler, *flags, str(_SOURCE), "-o", partial], capture_output=True, text=True, check=False
-        )
+        result = _compile(compiler, flags, openmp, partial)
         if result.returncode:
+            threads = " on OpenMP" if openmp else ""
             raise CodeKernelError(
-                f"`{compiler}` could not build {_SOURCE.name} for {name}: {result.stderr.strip()[-600:]}"
+                f"`{compiler}` could not build {_SOURCE.name} for {name}{threads}: {result.stderr.strip()[-600:]}"
             )
         os.replace(partial, library)
     finally:
@@ -231,9 +299,21 @@ def _build(isa: str) -> tuple[Path, str]:
     return library, name
 
 
+def _open(isa: str, openmp: Path | None) -> tuple[ctypes.CDLL, Path, str]:
+    """Build (if needed) and load one library, checking that it is the build asked for."""
+    path, name = _build(isa, openmp)
+    library = ctypes.CDLL(str(path))
+    library.hc_isa.restype = library.hc_threads.restype = ctypes.c_char_p
+    built, threads = library.hc_isa().decode(), library.hc_threads().decode()
+    if built != name or threads != ("openmp" if openmp else "pthreads"):
+        raise CodeKernelError(f"{path} was built for {built} on {threads} (a stale or foreign library)")
+    return library, path, name
+
+
 @functools.cache
-def _load(setting: str) -> tuple[ctypes.CDLL | None, str]:
-    """(the loaded library or None, what it is or why not) for an `ISA_ENV` setting — tried once per process."""
+def _load(setting: str, threads: str = "auto") -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library or None, what it is or why not) for an `ISA_ENV` and a `THREADS_ENV` setting — tried once
+    per process."""
     if setting == "auto":
         usable = available_isas()
         if not usable:
@@ -246,13 +326,18 @@ def _load(setting: str) -> tuple[ctypes.CDLL | None, str]:
         isa, missing = setting, missing_features(setting)
         if missing:
             return None, f"unavailable: {ISA_ENV}={setting} needs what this CPU lacks: {', '.join(missing)}"
+    openmp, why_not = torch_openmp_runtime() if threads == "auto" else (None, f"{THREADS_ENV}=pthreads")
+    library = None
     try:
-        path, name = _build(isa)
-        library = ctypes.CDLL(str(path))
-        library.hc_isa.restype = ctypes.c_char_p
-        built = library.hc_isa().decode()
-        if built != name:
-            raise CodeKernelError(f"{path} was built for {built}, not {name} (a stale or foreign library)")
+        if openmp is not None:
+            try:
+                library, path, name = _open(isa, openmp)
+                runs_on = "on torch's OpenMP threads"
+            except (CodeKernelError, OSError, AttributeError) as error:
+                why_not = f"no OpenMP build: {error}"
+        if library is None:
+            library, path, name = _open(isa, None)
+            runs_on = f"on its own threads ({why_not})"
     except (CodeKernelError, OSError, AttributeError) as error:
         logger.warning("hybrid_cache: the native code-attention kernel is unavailable (%s); using torch ops.", error)
         return None, f"unavailable: {error}"
@@ -261,16 +346,16 @@ def _load(setting: str) -> tuple[ctypes.CDLL | None, str]:
     library.hc_scores.argtypes = [*shared, pointer, pointer, integer, integer, pointer, pointer, pointer]
     library.hc_values.argtypes = [*shared, pointer, pointer, integer, ctypes.c_float, pointer]
     library.hc_scores.restype = library.hc_values.restype = ctypes.c_int
-    return library, f"{name} kernel, loaded from {path}"
+    return library, f"{name} kernel {runs_on}, loaded from {path}"
 
 
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    return _load(_isa_setting())
+    return _load(_isa_setting(), _threads_setting())
 
 
 def kernel_status() -> str:
-    """One line: whether the kernel runs (`on`, `off` or `auto`, the instruction set and its library, e.g. "auto: avx2
-    kernel, loaded from ..."), or why not."""
+    """One line: whether the kernel runs (`on`, `off` or `auto`, the instruction set, its threads and its library,
+    e.g. "auto: avx2 kernel on torch's OpenMP threads, loaded from ..."), or why not."""
     mode, setting = _mode(), _isa_setting()
     if mode == "off":
         return f"off ({KERNEL_ENV}=off): no native kernel"

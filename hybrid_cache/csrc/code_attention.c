@@ -23,6 +23,9 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HC_AVX512 1
@@ -526,9 +529,9 @@ static void values_item(const Job *a, int64_t bh, int64_t split, int64_t t0, int
 }
 
 // Work items are (batch x head, split) pairs, each a contiguous range of tokens; thread i of n takes i, i + n, ...
-static void run_items(const Job *a, int scores, int64_t thread) {
+static void run_items(const Job *a, int scores, int64_t thread, int64_t count) {
     int64_t chunk = (a->length + a->splits - 1) / a->splits;
-    for (int64_t item = thread; item < a->batch * a->heads * a->splits; item += a->threads) {
+    for (int64_t item = thread; item < a->batch * a->heads * a->splits; item += count) {
         int64_t bh = item / a->splits, split = item % a->splits;
         int64_t t0 = split * chunk < a->length ? split * chunk : a->length;
         int64_t t1 = t0 + chunk < a->length ? t0 + chunk : a->length;
@@ -567,12 +570,16 @@ static void *worker(void *argument) {
         const Job *job = pool.job;
         int scores = pool.scores;
         pthread_mutex_unlock(&pool.lock);
-        run_items(job, scores, index);
+        run_items(job, scores, index, job->threads);
         pthread_mutex_lock(&pool.lock);
         if (--pool.pending == 0) pthread_cond_signal(&pool.done);
     }
     return NULL;
 }
+
+// Set in a child forked after the library was loaded: GNU OpenMP cannot start a team there if the parent ran one
+// (torch's own parallel operations hang in such a child too), so the child uses the pool below.
+static volatile int forked_child = 0;
 
 static void reset_after_fork(void) {  // the child has none of the parent's threads
     pthread_mutex_init(&pool.call, NULL);
@@ -580,17 +587,25 @@ static void reset_after_fork(void) {  // the child has none of the parent's thre
     pthread_cond_init(&pool.start, NULL);
     pthread_cond_init(&pool.done, NULL);
     pool.workers = 0, pool.active = 0, pool.pending = 0;
+    forked_child = 1;
 }
 
-// Runs the job on `threads` threads (the calling one included); where a worker cannot be started, fewer threads take
-// all the items (the job's thread count is set to the number that ran).
-static void register_fork_handler(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
+__attribute__((constructor)) static void register_fork_handler(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
 
-static int run(Job *job, int scores) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, register_fork_handler);
-    int64_t n = job->threads < 1 ? 1 : (job->threads > MAX_THREADS ? MAX_THREADS : job->threads);
-    pthread_mutex_lock(&pool.call);
+// How this build runs a call's threads: "openmp" (the team of the OpenMP runtime the library was linked to, torch's
+// own, so that torch's workers, which spin for a while after each parallel operation, take the kernel's items instead
+// of competing with a second set of threads for the cores), or "pthreads" (the pool above).
+const char *hc_threads(void) {
+#if defined(_OPENMP)
+    return "openmp";
+#else
+    return "pthreads";
+#endif
+}
+
+// Runs the job's items on the pool's threads: `threads` of them, the calling one included; where a worker cannot be
+// started, fewer threads take all the items (the job's thread count is set to the number that ran).
+static void run_on_pool(Job *job, int scores, int64_t n) {
     while (pool.workers < n - 1) {  // workers 1 .. n - 1
         pthread_t id;
         start_generation[pool.workers + 1] = pool.generation;  // only run() changes it, under pool.call
@@ -605,10 +620,28 @@ static int run(Job *job, int scores) {
     pool.generation++;
     pthread_cond_broadcast(&pool.start);
     pthread_mutex_unlock(&pool.lock);
-    run_items(job, scores, 0);
+    run_items(job, scores, 0, n);
     pthread_mutex_lock(&pool.lock);
     while (pool.pending) pthread_cond_wait(&pool.done, &pool.lock);
     pthread_mutex_unlock(&pool.lock);
+}
+
+// Runs the job on `threads` threads (one call at a time): an OpenMP team where the build has OpenMP (each thread
+// takes its share of the items from the team's actual size, which the runtime may make smaller), else the pool.
+static int run(Job *job, int scores) {
+    int64_t n = job->threads < 1 ? 1 : (job->threads > MAX_THREADS ? MAX_THREADS : job->threads);
+    pthread_mutex_lock(&pool.call);
+#if defined(_OPENMP)
+    if (!forked_child) {
+        job->threads = n;
+#pragma omp parallel num_threads((int)n) if (n > 1)
+        run_items(job, scores, omp_get_thread_num(), omp_get_num_threads());
+    } else {
+        run_on_pool(job, scores, n);
+    }
+#else
+    run_on_pool(job, scores, n);
+#endif
     pthread_mutex_unlock(&pool.call);
     return 0;
 }

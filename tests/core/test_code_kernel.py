@@ -11,6 +11,9 @@
    falls back to the torch path with the same result; the entry points refuse tensors that do not match the codes.
 4. `generate` (greedy with padding, beams, assisted) on tiny Gemma 3 / Gemma 4 models with the kernel's geometry
    (heads of 128; Gemma 4's one KV head of 512) gives the tokens and logits of the torch path.
+5. Threads: on torch's own GNU OpenMP runtime where torch runs on one (no second runtime in the process), on the
+   library's pool otherwise or when forced, with identical results; an OpenMP build that fails falls back to the
+   pool; concurrent Python threads and a forked child are safe.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def kernel_env(monkeypatch):
 
     set_mode("auto")
     monkeypatch.setenv(code_kernel.ISA_ENV, "auto")
+    monkeypatch.setenv(code_kernel.THREADS_ENV, "auto")
     return set_mode
 
 
@@ -129,7 +133,9 @@ def build_step(case: dict, seed: int):
 def test_the_kernel_builds_and_loads_on_this_cpu(kernel_env):
     """`auto` takes the best set the CPU has, and the status names it."""
     status = code_kernel.kernel_status()
-    assert status.startswith(f"auto: {AVAILABLE[0]}") and " kernel, loaded from " in status, status
+    assert status.startswith(f"auto: {AVAILABLE[0]}") and " kernel on " in status and ", loaded from " in status, (
+        status
+    )
 
 
 # --- 2. it computes what the torch path and the reference compute -----------------------------------------------------
@@ -442,7 +448,82 @@ def test_generate_through_the_kernel_equals_the_torch_path(name, mode, case, ker
         torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-4)
 
 
-# --- 5. the kernel's thread pool --------------------------------------------------------------------------------------
+# --- 5. the kernel's threads ------------------------------------------------------------------------------------------
+TORCH_OPENMP, WHY_NO_OPENMP = code_kernel.torch_openmp_runtime()
+
+
+def _loaded_openmp_runtimes() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {line.split()[-1] for line in f if any(name in line for name in ("/libgomp", "/libomp", "/libiomp"))}
+
+
+@needs_kernel
+@pytest.mark.skipif(TORCH_OPENMP is None, reason=f"the kernel has no OpenMP build here: {WHY_NO_OPENMP}")
+def test_the_kernel_runs_on_torchs_own_openmp_runtime(kernel_env, monkeypatch, tmp_path):
+    """Where torch runs on GNU OpenMP, a fresh build of the kernel is linked to that very runtime: the status says
+    so, and loading it brings no second OpenMP runtime into the process (which would bring a second set of
+    threads), although other packages' libgomps may be loaded beside torch's (scikit-learn's, in this suite)."""
+    monkeypatch.setenv("HYBRID_CACHE_KERNEL_DIR", str(tmp_path))
+    history, query, mask = build_step(random_case(14) | {"mode": "int8", "head_dim": 128, "group": 64}, 14)
+    before = _loaded_openmp_runtimes()
+    code_kernel._load.cache_clear()
+    try:
+        code_domain_attention(query, history, mask)
+        status = code_kernel.kernel_status()
+    finally:
+        code_kernel._load.cache_clear()
+    assert "kernel on torch's OpenMP threads, loaded from " + str(tmp_path) in status, status
+    assert str(TORCH_OPENMP) in before and _loaded_openmp_runtimes() == before
+
+
+@needs_kernel
+def test_openmp_threads_and_the_own_pool_give_identical_results(kernel_env, isa, monkeypatch):
+    """Every item (batch x head, token range) is computed the same way whichever thread takes it: the two thread
+    settings agree bit for bit at every thread count, with more threads than heads (token ranges) and fewer."""
+    previous = torch.get_num_threads()
+    try:
+        for seed, heads in ((15, 1), (16, 2)):
+            case = random_case(seed) | {"batch": 2, "kv_heads": heads, "history": 2500, "dtype": torch.float32}
+            case |= {"mode": "int4", "head_dim": 256, "group": 64, "rep": 4, "query": 1}
+            history, query, mask = build_step(case, seed)
+            for threads in (1, 2, 3, 5):
+                torch.set_num_threads(threads)
+                outputs = []
+                for setting in ("auto", "pthreads"):
+                    monkeypatch.setenv(code_kernel.THREADS_ENV, setting)
+                    outputs.append(code_domain_attention(query, history, mask))
+                assert torch.equal(outputs[0], outputs[1]), (seed, threads)
+    finally:
+        torch.set_num_threads(previous)
+    assert "on its own threads (HYBRID_CACHE_CODE_KERNEL_THREADS=pthreads)" in code_kernel.kernel_status()
+    monkeypatch.setenv(code_kernel.THREADS_ENV, "openmp")
+    with pytest.raises(CodeKernelError, match="not a setting; use auto .* or pthreads"):
+        code_kernel.kernel_status()
+
+
+@needs_kernel
+def test_an_openmp_build_that_fails_falls_back_to_the_pool(kernel_env, monkeypatch, tmp_path):
+    """A runtime the kernel cannot be linked to (here: a path that is no library) leaves the pool build, which the
+    status names with the reason; torch on another parallel backend gets the pool without trying."""
+    monkeypatch.setenv("HYBRID_CACHE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(code_kernel, "torch_openmp_runtime", lambda: (tmp_path / "no" / "libgomp.so.1", "a test"))
+    case = random_case(17) | {"mode": "int8", "head_dim": 256, "group": 64, "dtype": torch.float32}
+    history, query, mask = build_step(case, 17)
+    code_kernel._load.cache_clear()
+    try:
+        status = code_kernel.kernel_status()
+        actual = code_domain_attention(query, history, mask)
+    finally:
+        code_kernel._load.cache_clear()
+    assert "on its own threads (no OpenMP build: " in status and "could not build" in status, status
+    assert [p.name.split("-")[2] for p in tmp_path.iterdir()] == ["pthreads"]  # nothing of the failed build is left
+    expected = reference_attention(query, history, mask)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5 * expected.abs().max())
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.__config__, "parallel_info", lambda: "ATen parallel backend: native thread pool")
+    assert code_kernel.torch_openmp_runtime() == (None, "torch's parallel backend is not OpenMP")
+
+
 def _values_in_forked_child(history, probabilities, expected, results) -> None:
     """In a forked child: torch single-threaded (GNU OpenMP, which torch uses, cannot run a parallel region in a
     child forked after the parent ran one, with or without this package), the kernel on two threads."""
@@ -454,9 +535,10 @@ def _values_in_forked_child(history, probabilities, expected, results) -> None:
 
 @needs_kernel
 def test_python_threads_and_a_forked_child_share_the_pool_safely(kernel_env):
-    """The kernel keeps its worker threads between calls: calls from several Python threads at once (ctypes releases
-    the GIL) are serialized and give the single-threaded result, and a child forked after the pool started builds
-    its own pool instead of waiting forever for the parent's workers (bounded: the child is killed after 60 s)."""
+    """Calls from several Python threads at once (ctypes releases the GIL) are serialized and give the
+    single-threaded result, and a child forked after the kernel ran (on torch's OpenMP team, or the library's pool)
+    runs it on a pool of its own instead of waiting forever for the parent's threads (bounded: the child is killed
+    after 60 s)."""
     import multiprocessing
     import threading
 

@@ -21,6 +21,7 @@
 #include <string.h>
 
 const char *hc_isa(void);
+const char *hc_threads(void);
 int hc_scores(const int8_t *codes, const int64_t *code_strides, const void *scales, const int64_t *scale_strides,
               int64_t scale_dtype, int64_t batch, int64_t heads, int64_t length, int64_t dim, int64_t groups,
               int64_t int4, int64_t splits, int64_t threads, const int8_t *query, const float *query_weights,
@@ -197,6 +198,6 @@ int main(int argc, char **argv) {
     int verbose = getenv("CROSS_CHECK_VERBOSE") ? atoi(getenv("CROSS_CHECK_VERBOSE")) : 1;
     int matched = 0;
     for (int i = 0; i < cases; i++) matched += run_case(first + (uint64_t)i, verbose);
-    printf("%s (%s build): %d/%d cases match\n", name, hc_isa(), matched, cases);
+    printf("%s (%s build on %s): %d/%d cases match\n", name, hc_isa(), hc_threads(), matched, cases);
     return matched == cases && cases > 0 ? 0 : 1;
 }
