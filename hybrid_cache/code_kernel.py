@@ -33,10 +33,9 @@ serialized, and the call releases the GIL (ctypes). Where torch runs its paralle
 Linux wheels, which bundle libgomp), the library is built with `-fopenmp` and linked to the very runtime torch loaded,
 so a call runs on torch's own OpenMP team: its workers, which spin for a while after each torch operation, take the
 kernel's items instead of competing with a second set of threads for the cores (docs/quantization.md, "Speed").
-Elsewhere (macOS,
-another OpenMP runtime, a compiler that cannot build it, a child forked after the library was loaded) the library
-keeps its own pool of worker threads between calls. `HYBRID_CACHE_CODE_KERNEL_THREADS=auto|pthreads` (read at every
-call, like the two switches above) forces the pool, to measure one against the other.
+Elsewhere (macOS, another OpenMP runtime, a compiler that cannot build it, a child forked after the library was
+loaded) the library keeps its own pool of worker threads between calls. `HYBRID_CACHE_CODE_KERNEL_THREADS=auto|pthreads`
+(read at every call, like the two switches above) forces the pool, to measure one against the other.
 """
 
 from __future__ import annotations
@@ -239,6 +238,11 @@ def torch_openmp_runtime() -> tuple[Path | None, str]:
     )
 
 
+def _thread_model(openmp: Path | None) -> str:
+    """How a build runs its threads, as its file name and its `hc_threads()` say it."""
+    return "pthreads" if openmp is None else "openmp"
+
+
 def _compile(compiler: str, flags: tuple[str, ...], openmp: Path | None, output: str) -> subprocess.CompletedProcess:
     """One build: with `openmp`, compiled with -fopenmp and linked to that runtime (not the compiler's own)."""
     if openmp is None:
@@ -279,7 +283,7 @@ def _build(isa: str, openmp: Path | None = None) -> tuple[Path, str]:
     recipe = " ".join(flags) + (f" -fopenmp {openmp}" if openmp else "")
     key = hashlib.sha256(source + version.encode() + recipe.encode()).hexdigest()[:16]
     directory = build_dir()
-    library = directory / f"code_attention-{name}-{'openmp' if openmp else 'pthreads'}-{key}.so"
+    library = directory / f"code_attention-{name}-{_thread_model(openmp)}-{key}.so"
     if library.exists():
         return library, name
     directory.mkdir(parents=True, exist_ok=True)
@@ -305,7 +309,7 @@ def _open(isa: str, openmp: Path | None) -> tuple[ctypes.CDLL, Path, str]:
     library = ctypes.CDLL(str(path))
     library.hc_isa.restype = library.hc_threads.restype = ctypes.c_char_p
     built, threads = library.hc_isa().decode(), library.hc_threads().decode()
-    if built != name or threads != ("openmp" if openmp else "pthreads"):
+    if built != name or threads != _thread_model(openmp):
         raise CodeKernelError(f"{path} was built for {built} on {threads} (a stale or foreign library)")
     return library, path, name
 
