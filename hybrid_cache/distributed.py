@@ -8,8 +8,9 @@ layers allocate what their first update brings (`kv_heads / tp_size` heads per r
 Pipeline parallelism does: every stage runs the same `generate` loop with its own cache, but only the stage's own
 layers call `update`, while transformers asks the cache for the cache length and the mask sizes of layer 0 / the first
 sliding / the first full layer (`get_seq_length()`, `get_mask_sizes(q, layer_idx)`), layers another stage runs. A cache
-that gives those layers a `DummyLayer` answers from the first layer it holds instead (transformers' `Cache` skips dummy
-layers for these questions), which is exact.
+that gives those layers a `DummyLayer` answers from the first layer it holds instead, which is exact: transformers'
+`Cache` skips dummy layers for the mask sizes, and for the cache length up to 5.24; from 5.25 it asks layer 0 itself,
+so the stand-in of an other-stage layer (`OtherStageLayer`) answers the length of the stage's first layer.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .errors import UnsupportedReleaseError
 from .specs import check_stage_layers
 
 __all__ = [
+    "OtherStageLayer",
     "check_parallel_config",
     "check_stage_layers",
     "parallel_sizes",
@@ -32,6 +34,20 @@ __all__ = [
     "restrict_to_stage",
     "stage_layers",
 ]
+
+
+class OtherStageLayer(DummyLayer):
+    """The stand-in of a decoder layer another pipeline stage runs, in one of transformers' own caches: stores nothing
+    (a `DummyLayer`, skipped as one wherever transformers skips them) and answers the cache length with that of
+    `held`, the first layer this stage runs, which has seen the same tokens. transformers 5.25 asks layer 0 for the
+    cache length and the query offset (`Cache.get_seq_length()` no longer skips dummy layers)."""
+
+    def __init__(self, held: Any) -> None:
+        super().__init__()
+        self.held = held
+
+    def get_seq_length(self) -> int:
+        return int(self.held.get_seq_length())
 
 
 def parallel_sizes(config: Any) -> tuple[int, int]:
@@ -109,7 +125,8 @@ def stage_layers(model: Any) -> list[int] | None:
 
 
 def restrict_to_stage(cache: Cache, layers: Iterable[int]) -> Cache:
-    """Give every layer of `cache` that this stage does not run a `DummyLayer` (in place; returns `cache`).
+    """Give every layer of `cache` that this stage does not run an `OtherStageLayer`, a `DummyLayer` that answers the
+    cache length from the stage's first layer (in place; returns `cache`).
 
     For transformers' own caches under pipeline parallelism (`DynamicCache(config=...)`, `StaticCache(...)`): without
     it, a later stage sizes its masks from layers it never updates and its results differ from one process (see
@@ -125,7 +142,8 @@ def restrict_to_stage(cache: Cache, layers: Iterable[int]) -> Cache:
             "restrict_to_stage needs a cache built with its layers (`DynamicCache(config=model.config)`)."
         )
     held = set(check_stage_layers(SimpleNamespace(num_hidden_layers=len(cache.layers)), layers))
+    first_held = cache.layers[min(held)]
     for index in range(len(cache.layers)):
         if index not in held:
-            cache.layers[index] = DummyLayer()
+            cache.layers[index] = OtherStageLayer(first_held)
     return cache

@@ -3,6 +3,7 @@ the layers a pipeline stage holds, the splits a cache refuses, and `early_initia
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
 
@@ -111,6 +112,17 @@ def test_restrict_to_stage_gives_transformers_caches_dummy_layers():
     model = tiny_gemma3(layers=6)
     cache = restrict_to_stage(DynamicCache(config=model.config), range(3, 6))
     assert [isinstance(layer, DummyLayer) for layer in cache.layers] == [True] * 3 + [False] * 3
+    assert cache.is_sliding[:3] == [False] * 3  # so transformers looks for the first sliding / full layer past them
+    keys = torch.randn(1, 1, 7, 8)
+    for index in (3, 4, 5):
+        cache.update(keys, keys, index)
+    # transformers 5.25 asks layer 0 itself (no skipping of dummy layers): the stand-in answers the stage's length
+    assert cache.get_seq_length() == cache.get_seq_length(3) == 7
+    if hasattr(cache, "get_query_offset"):
+        assert cache.get_query_offset(0) == 7
+    copied = copy.deepcopy(cache)
+    copied.update(keys[:, :, :1], keys[:, :, :1], 3)
+    assert copied.get_seq_length() == 8 and cache.get_seq_length() == 7  # a copy answers from its own layers
     with pytest.raises(ValueError, match="built with its layers"):
         restrict_to_stage(DynamicCache(), [0])
 
