@@ -23,24 +23,19 @@ from .code_attention import CODE_ATTENTION
 from .compat import (
     CacheLayerMixin,
     DummyLayer,
-    check_assisted_step_continues,
     check_rollback_supported,
     initialize_layers_early,
     notify_generate_start,
     rollback_release_note,
 )
 from .distributed import check_parallel_config, stage_layers
-from .errors import CodeAttentionError
 from .full import GrowableFullLayer, StaticFullLayer
 from .mask_hook import (
-    IssuedLayouts,
     RingLayout,
     annotate_offset,
-    check_prepared_mask_width,
     check_ring_attention_supported,
     install_mask_hook,
     is_mask_hook_installed,
-    refuse_empty_step,
 )
 from .memory import MemoryReport, memory_report
 from .options import CacheOptions
@@ -48,7 +43,8 @@ from .quantized import DequantWorkspace, QuantizedFullLayer, StaticQuantizedFull
 from .ring import RingSlidingLayer, StaticRingSlidingLayer
 from .snapshot import load_cache, save_cache
 from .specs import FULL, OTHER_STAGE, LayerSpec, kv_heads_per_rank, layer_specs
-from .steps import StepJournal
+from .steps import StepAdmission
+from .storage import StorageLayer
 from .streaming import SinkWindowFullLayer
 
 __all__ = ["LAYER_STORAGE", "HybridRingCache", "MemoryReport"]
@@ -112,7 +108,7 @@ def _settled(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def settled(self: HybridRingCache, *args: Any, **kwargs: Any) -> Any:
-        self._journal.settle(self.layers)
+        self._steps.journal.settle(self.layers)
         return method(self, *args, **kwargs)
 
     return settled
@@ -185,9 +181,9 @@ class HybridRingCache(Cache):
         self.specs = layer_specs(self.config, stage_layers)  # each layer's role: the one place it is held
         self._workspace = DequantWorkspace()
         super().__init__(layers=[build_layer(spec, self.options, self._workspace) for spec in self.specs])
-        self._layouts = IssuedLayouts()  # ring layouts announced to this step's masks (see `update`)
-        self._first_ring = next((i for i, layer in enumerate(self.layers) if _can(layer, "ring_ordered")), None)
-        self._journal = StepJournal([i for i, spec in enumerate(self.specs) if spec.stores])
+        first_ring = next((i for i, layer in enumerate(self.layers) if _can(layer, "ring_ordered")), None)
+        # The step in progress: its admission, journal and announced layouts (`steps.py`).
+        self._steps = StepAdmission([i for i, spec in enumerate(self.specs) if spec.stores], first_ring)
         install_mask_hook()
 
     layers: list[Any]  # storage (LAYER_STORAGE) or DummyLayer, not transformers' union; capabilities: `_can`
@@ -224,18 +220,20 @@ class HybridRingCache(Cache):
         layer = _layer_to_update(self, layer_idx)
         if is_torchdynamo_compiling():  # the checks read Python counters; compiled steps were checked eagerly
             return layer.update(key_states, value_states, *args, **kwargs)
-        later_layer = not self._journal.starts_step(layer_idx)  # of a step that already wrote
+        steps = self._steps
+        later_layer = not steps.journal.starts_step(layer_idx)  # of a step that already wrote
         try:
-            _before_write(self, layer_idx, key_states.shape[-2], kwargs)
+            steps.admit(self, layer_idx, key_states.shape[-2], kwargs, check_ring_attention_supported)
+            previous = layer.step_bookkeeping() if steps.journal.journaling else None
             codes = {"return_codes": self.attends_on_codes()} if _can(layer, "attends_on_codes") else {}
             keys, values = layer.update(key_states, value_states, *args, **codes, **kwargs)
         except BaseException:
             if later_layer:
-                self._journal.abandon(self.layers)  # the step's earlier writes go back now
+                steps.journal.abandon(self.layers)  # the step's earlier writes go back now
             raise
         if hasattr(keys, "history"):  # attention on the codes: a refusal there undoes the step
-            keys.history.on_refusal = self._journal.fail
-        self._journal.stored(layer_idx)
+            keys.history.on_refusal = steps.journal.fail
+        steps.journal.stored(layer_idx, previous)
         return keys, values
 
     def attends_on_codes(self) -> bool:
@@ -249,11 +247,8 @@ class HybridRingCache(Cache):
         self, query_length: int, layer_idx: int
     ) -> tuple[int, int | RingLayout]:
         layer_idx = _storing_layer_index(self, layer_idx)
-        if not is_torchdynamo_compiling():
-            self._journal.settle(self.layers)  # masks are built before a forward's first write: undo a dead step
-            self._journal.arm()
-            if query_length == 0:
-                refuse_empty_step(self.get_seq_length())
+        if not is_torchdynamo_compiling():  # masks are built before a forward's first write (`steps.py`)
+            self._steps.masks_requested(self.layers, query_length, self.get_seq_length)
         kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
         return kv_length, _annotated_offset(self, layer_idx, query_length, kv_offset)
 
@@ -261,7 +256,7 @@ class HybridRingCache(Cache):
         """Tokens held, not counting a step a failed forward left half-written (undone at the next call)."""
         layer_idx = _storing_layer_index(self, layer_idx)
         length = super().get_seq_length(layer_idx)
-        return length if is_torchdynamo_compiling() else length - self._journal.uncommitted(layer_idx)
+        return length if is_torchdynamo_compiling() else length - self._steps.journal.uncommitted(layer_idx)
 
     def key_positions(self, layer_idx: int) -> torch.Tensor:
         """Absolute position of every key layer `layer_idx` returned in the last step, in the order the attention saw
@@ -282,29 +277,30 @@ class HybridRingCache(Cache):
                 layer.check_crop(tokens_to_remove)
         for layer in storing:
             layer.crop(tokens_to_remove)
-        self._layouts.forget()
+        self._steps.layouts.forget()
 
     def reset(self) -> None:
+        """Forget every token (allocations are kept) and the step in progress; past recording stays as it is."""
         super().reset()
-        _forget_step_state(self)
+        self._steps.forget()
 
     reorder_cache = _settled(Cache.reorder_cache)
     batch_repeat_interleave = _settled(Cache.batch_repeat_interleave)
     batch_select_indices = _settled(Cache.batch_select_indices)
 
-    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs: Any) -> None:
         """Keep the window of each multi-token step until the next one, so that `crop` can undo it exactly (called by
         assisted / prompt-lookup decoding; `recurrent_states_to_keep`, passed from transformers 5.25, sizes the states
         of linear-attention layers: unused). Raises `UnsupportedReleaseError` where that is not exact (`compat`)."""
         check_rollback_supported()
-        self._assisted_start_length = int(self.get_seq_length())  # checked at the next step (see `update`)
+        self._steps.assisted_start = int(self.get_seq_length())  # checked at the next step (`steps.py`)
         for layer in self.layers:
             if _can(layer, "records_steps"):
                 layer.activate_past_recording()
 
     def deactivate_past_recording(self) -> None:
         """Stop keeping the last multi-token step's window and release it (as at the next step or `generate` call)."""
-        self._assisted_start_length = 0
+        self._steps.assisted_start = 0
         for layer in self.layers:
             if _can(layer, "records_steps"):
                 layer.deactivate_past_recording()
@@ -368,13 +364,7 @@ class HybridRingCache(Cache):
         """Go back exactly to the state at `checkpoint()`, any number of times. Raises `ValueError`, changing nothing,
         for another batch size or when the full layers' tokens before it were rewritten since (`reset()`, new prompt)."""
         restore_checkpoint(self, checkpoint)
-        _forget_step_state(self)  # a mask built, or a step journaled, before the restore describes another state
-
-
-def _forget_step_state(cache: HybridRingCache) -> None:
-    """The cache's state was replaced: the layouts announced and the step journaled describe another one."""
-    cache._layouts.forget()
-    cache._journal.forget()
+        self._steps.forget(lambda: int(self.get_seq_length()))  # masks and journal described another state
 
 
 def _storing_layer_index(cache: HybridRingCache, layer_idx: int) -> int:
@@ -385,7 +375,7 @@ def _storing_layer_index(cache: HybridRingCache, layer_idx: int) -> int:
     return layer_idx
 
 
-def _layer_to_update(cache: HybridRingCache, layer_idx: int) -> CacheLayerMixin:
+def _layer_to_update(cache: HybridRingCache, layer_idx: int) -> StorageLayer:
     """The layer `update()` writes, or raise when the cache does not hold it."""
     if layer_idx >= len(cache.layers):
         raise IndexError(
@@ -395,45 +385,6 @@ def _layer_to_update(cache: HybridRingCache, layer_idx: int) -> CacheLayerMixin:
     if not cache.specs[layer_idx].stores:
         _refuse_update_of_empty_layer(cache.specs[layer_idx])
     return cache.layers[layer_idx]
-
-
-def _before_write(cache: HybridRingCache, layer_idx: int, query_length: int, update_kwargs: dict) -> None:
-    """Before layer `layer_idx` stores a step: a new step first undoes a dead one (`steps.py`), and every refusal the
-    step could meet after its writes is raised now, before the first one; the prepared mask's width and (first step
-    after `activate_past_recording`) the step's positions are checked at each layer."""
-    journal = cache._journal
-    check_prepared_mask_width(cache.layers[layer_idx], layer_idx, query_length, caller_depth=3)
-    if getattr(cache, "_assisted_start_length", 0):  # the first step of an assisted generate on held tokens
-        check_assisted_step_continues(cache._assisted_start_length, query_length, update_kwargs)
-        cache._assisted_start_length = 0
-    if journal.starts_step(layer_idx):
-        journal.settle(cache.layers)
-        for layer in cache.layers:  # fixed capacity (`max_cache_len`): refused here, not after the rings wrote
-            if hasattr(layer, "check_fits"):
-                layer.check_fits(query_length)
-        attention = getattr(cache.config, "_attn_implementation", None)
-        if cache.options.full_layer_code_attention and attention != CODE_ATTENTION:
-            raise CodeAttentionError(
-                f"full_layer_code_attention=True, but the model's attention implementation is {attention!r}, which "
-                f"cannot read compressed codes. Select hybrid_cache's (`model.set_attn_implementation("
-                f"{CODE_ATTENTION!r})` or `with hybrid_cache.use_code_attention(model):`), or build the cache with "
-                f"full_layer_code_attention=None to follow the model."
-            )
-    _check_ring_mask_was_built(cache, layer_idx, query_length)
-    if journal.starts_step(layer_idx):
-        journal.begin(query_length)
-
-
-def _check_ring_mask_was_built(cache: HybridRingCache, layer_idx: int, query_length: int) -> None:
-    """Checked before any layer of a step is written (also at a full layer that comes before the first ring), so
-    a refused step leaves the cache as it was (see `mask_hook.IssuedLayouts`)."""
-    first_ring = cache._first_ring
-    if first_ring is None or layer_idx > first_ring and not _can(cache.layers[layer_idx], "ring_ordered"):
-        return  # time-ordered layers after the first ring: the first ring already checked this step
-    ring = cache.layers[max(layer_idx, first_ring)]
-    if _can(ring, "ring_ordered") and ring.needs_ring_layout(query_length):
-        step = (ring.cumulative_length, query_length)
-        cache._layouts.check_served(step, getattr(cache.config, "_attn_implementation", None))
 
 
 def _annotated_offset(
@@ -452,7 +403,7 @@ def _annotated_offset(
     if isinstance(kv_offset, RingLayout) and not is_torchdynamo_compiling():
         # Only a wrapped ring needs the hook: check now that it will be the one serving this mask.
         check_ring_attention_supported(attention)
-        cache._layouts.issue(layer_idx, (layer.cumulative_length, query_length), kv_offset)
+        cache._steps.layouts.issue(layer_idx, (layer.cumulative_length, query_length), kv_offset)
     return kv_offset
 
 

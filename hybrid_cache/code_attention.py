@@ -27,8 +27,9 @@ as they are, so the result equals attention over the dequantized history with th
 (`reference_attention`, the oracle of tests/core/test_code_attention.py).
 
 How it plugs into transformers: the attention function `hybrid_cache_attention` is registered through
-`AttentionInterface` under `CODE_ATTENTION` (`"hybrid_cache_sdpa"`; its mask function is SDPA's). For every call
-whose keys are ordinary tensors it *is* transformers' `sdpa_attention_forward` (same arguments, same result). A
+`AttentionInterface` under `CODE_ATTENTION` (`"hybrid_cache_sdpa"`; its mask function is SDPA's, except that a long
+step's mask is described instead of built: `banded.py`, the banded prefill). For every other call whose keys are
+ordinary tensors it *is* transformers' `sdpa_attention_forward` (same arguments, same result). A
 compressed layer's decode step returns, instead of dequantized keys and values, a `CompressedKV`: a tensor-like
 handle with the shape and dtype of the keys it stands for, no storage, and a reference to the codes. The registered
 function recognises it and runs `code_domain_attention`; any other consumer (another attention function, any torch
@@ -56,10 +57,12 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 
 from . import code_kernel
+from .banded import BandedMask, banded_attention, banded_sdpa_mask
 from .errors import CodeAttentionError
+from .prefill_steps import disable_prefill_steps, enable_prefill_steps, prefill_steps_of
 
 __all__ = [
     "CODE_ATTENTION",
@@ -499,10 +502,16 @@ def hybrid_cache_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The attention function registered as `CODE_ATTENTION`: `code_domain_attention` for a compressed layer's
-    decode step (`key` / `value` are `CompressedKV`), transformers' `sdpa_attention_forward` for every other call."""
+    decode step (`key` / `value` are `CompressedKV`), `banded.banded_attention` for a long step whose mask is a
+    `BandedMask` (`banded.banded_sdpa_mask`, this name's mask function), transformers' `sdpa_attention_forward` for
+    every other call."""
     if not isinstance(key, CompressedKV):
         if isinstance(value, CompressedKV):
             raise value.history.refuse(CodeAttentionError(_MISUSE.format(what="only the values were a handle")))
+        if isinstance(attention_mask, BandedMask):
+            return banded_attention(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -535,6 +544,8 @@ def _attention_on_codes(
             "full_layer_code_attention=False) to get them."
         )
     history = key.history
+    if isinstance(attention_mask, BandedMask):  # only where a test lowered the threshold below a decode step
+        attention_mask = attention_mask.dense()
     output = code_domain_attention(
         query, history, attention_mask, scaling=scaling, softcap=kwargs.get("softcap"), query_parts=history.query_parts
     )
@@ -542,24 +553,32 @@ def _attention_on_codes(
 
 
 def register_code_attention() -> None:
-    """Register `hybrid_cache_attention` (and SDPA's mask function) under `CODE_ATTENTION` in transformers' global
-    `AttentionInterface` / `AttentionMaskInterface` (idempotent; done on import of `hybrid_cache`)."""
+    """Register `hybrid_cache_attention` (and its mask function, `banded.banded_sdpa_mask`: SDPA's mask, described
+    instead of built for long steps) under `CODE_ATTENTION` in transformers' global `AttentionInterface` /
+    `AttentionMaskInterface` (idempotent; done on import of `hybrid_cache`; the mask hook wraps what is registered)."""
     if AttentionInterface._global_mapping.get(CODE_ATTENTION) is not hybrid_cache_attention:
         AttentionInterface.register(CODE_ATTENTION, hybrid_cache_attention)
     if CODE_ATTENTION not in AttentionMaskInterface._global_mapping:
-        AttentionMaskInterface.register(CODE_ATTENTION, sdpa_mask)
+        AttentionMaskInterface.register(CODE_ATTENTION, banded_sdpa_mask)
 
 
 @contextlib.contextmanager
 def use_code_attention(model: Any) -> Iterator[Any]:
-    """Within the block, `model` uses `CODE_ATTENTION` (so a `HybridRingCache` with compressed full layers attends
-    on their codes); its previous attention implementation is restored on exit, also after an exception."""
+    """Within the block, `model` uses `CODE_ATTENTION`: a long step attends block by block on its band (`banded.py`),
+    `generate` prefills a long prompt in steps of `prefill_steps.PREFILL_STEP` tokens (`prefill_steps.py`), and a
+    `HybridRingCache` with compressed full layers attends on their codes. The previous attention implementation (and
+    `generate`) come back on exit, also after an exception."""
     register_code_attention()
     previous = model.config._attn_implementation
+    stepped = prefill_steps_of(model) is not None or not hasattr(type(model), "generate")
     model.set_attn_implementation(CODE_ATTENTION)
+    if not stepped:
+        enable_prefill_steps(model, CODE_ATTENTION)
     try:
         yield model
     finally:
+        if not stepped:
+            disable_prefill_steps(model)
         model.set_attn_implementation(previous)
 
 

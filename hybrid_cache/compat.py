@@ -23,7 +23,7 @@ transformers changed and what this module does on either side of it.
 | `activate_past_recording(recurrent_states_to_keep=)` | 5.25 | accepted; attention layers keep no recurrent state |
 
 And one defect of every supported release, refused here: assisted / prompt-lookup decoding on a cache that already
-holds the conversation feeds it all again (`check_assisted_step_continues`).
+holds the conversation feeds it all again (refused by `steps.check_assisted_start`, with `step_positions_note`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ __all__ = [
     "UnsupportedReleaseError",
     "cache_from_kwargs",
     "cache_kwargs",
-    "check_assisted_step_continues",
     "check_rollback_supported",
     "chunked_prefill_release_note",
     "initialize_layers_early",
@@ -64,6 +63,7 @@ __all__ = [
     "notify_generate_start",
     "rollback_release_note",
     "rollback_supported",
+    "step_positions_note",
 ]
 
 TRANSFORMERS_VERSION = Version(Version(transformers.__version__).base_version)
@@ -281,49 +281,16 @@ def _refuse_chunked_prefill_on_held_tokens(cache: Any, generation_config: Any) -
 
 
 # --- assisted decoding on a reused cache ----------------------------------------------------------------------------
-def check_assisted_step_continues(cached_tokens: int, query_length: int, update_kwargs: Mapping[str, Any]) -> None:
-    """Refuse the first step of an assisted / prompt-lookup `generate` that feeds the cached tokens again.
-
-    transformers' `_assisted_decoding` runs its first target forward on the whole `input_ids` plus the draft
-    (`next_sequence_length=None`), never cut by the cache length as `_prefill` cuts a plain `generate`'s prompt; its
-    position ids come from the attention mask, so they start at 0. On a cache that holds the conversation's earlier
-    turns (multi-turn reuse), the step appends the whole conversation after it: every cache, `DynamicCache` included,
-    then holds the earlier tokens twice and continues wrong, silently at batch size 1 (the only one assisted decoding
-    takes) where `generate` drops the all-ones mask. Seen from the cache: the step's newest position is below its own
-    length, so its tokens start at position 0 although `cached_tokens` are held. (A `generate` given only the new
-    tokens with the whole conversation's mask continues at the cached length and passes.)
-
-    Called by the cache before the first write of the first step after `activate_past_recording` on a cache that held
-    tokens. `update_kwargs`: the keyword arguments of `Cache.update` (the attention passes `kwargs={"position_ids":
-    ...}`); without position ids it is refused on releases whose attention passes none (a multi-token step), and
-    not checked on later ones (a direct call).
-    """
-    inner = update_kwargs.get("kwargs")
-    position_ids = inner.get("position_ids") if isinstance(inner, Mapping) else update_kwargs.get("position_ids")
-    if cached_tokens > 0 and query_length > 1 and position_ids is None and TRANSFORMERS_VERSION < STEP_POSITIONS_SINCE:
-        raise ConversationMismatchError(
-            f"This assisted / prompt-lookup step feeds {query_length} tokens to a cache that already holds "
-            f"{cached_tokens} tokens. transformers {transformers.__version__} does not pass the step's positions to "
-            f"the cache (from {STEP_POSITIONS_SINCE} it does), so a conversation continued here cannot be told from "
-            f"one fed again from its first token, which its assisted decoding does on the first step of a reused "
-            f"cache (every cache, DynamicCache included, then continues wrong). Nothing was written. Generate this "
-            f"turn without `assistant_model` / `prompt_lookup_num_tokens`, or start from a new cache (or "
-            f"`cache.reset()`) with the whole conversation as the prompt, or upgrade transformers to "
-            f">= {STEP_POSITIONS_SINCE}."
-        )
-    if cached_tokens <= 0 or not isinstance(position_ids, torch.Tensor) or position_ids.numel() == 0:
-        return
-    newest = int(position_ids[..., -1].max())
-    if newest + 1 <= query_length:
-        raise ConversationMismatchError(
-            f"This step feeds {query_length} tokens at positions up to {newest} to a cache that already holds "
-            f"{cached_tokens} tokens: it starts the conversation over instead of continuing it. transformers' "
-            f"assisted / prompt-lookup decoding does this on its first step (it feeds the whole prompt plus the draft "
-            f"again, not cut by the cache length as a plain `generate` is; every cache, DynamicCache included, would "
-            f"then hold the earlier turns twice and continue wrong). Nothing was written. To continue a conversation "
-            f"held in this cache, generate this turn without `assistant_model` / `prompt_lookup_num_tokens`; to use "
-            f"them, start from a new cache (or `cache.reset()`) with the whole conversation as the prompt."
-        )
+def step_positions_note() -> str:
+    """Empty where the attention passes each step's positions to `Cache.update` (from 5.24), which is how the first
+    assisted step on held tokens is told apart from one that feeds them again (`steps.check_assisted_start`); before,
+    the words that say why such a multi-token step cannot be checked."""
+    if TRANSFORMERS_VERSION >= STEP_POSITIONS_SINCE:
+        return ""
+    return (
+        f"transformers {transformers.__version__} does not pass the step's positions to the cache (from "
+        f"{STEP_POSITIONS_SINCE} it does),"
+    )
 
 
 # --- chunked prefill on a cache that holds a conversation -----------------------------------------------------------

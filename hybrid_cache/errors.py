@@ -4,6 +4,7 @@ built-in base that code written before it may catch (`ValueError`, `RuntimeError
 from __future__ import annotations
 
 __all__ = [
+    "BandedMaskError",
     "CacheCapacityError",
     "CodeAttentionError",
     "CodeKernelError",
@@ -11,6 +12,7 @@ __all__ = [
     "HybridCacheError",
     "IncompleteStepError",
     "PreparedMaskError",
+    "ProgramFormatError",
     "RollbackError",
     "UnsupportedAttentionError",
     "UnsupportedReleaseError",
@@ -48,6 +50,11 @@ class PreparedMaskError(HybridCacheError, RuntimeError):
     the cache returns for this step: another width, or a wrapped ring's slot layout no mask was built for."""
 
 
+class BandedMaskError(HybridCacheError, RuntimeError):
+    """A long step's banded mask description (`hybrid_cache.banded.BandedMask`) reached code other than
+    hybrid_cache's attention, or does not fit the step it is used for; or a banded-prefill setting is invalid."""
+
+
 class CodeAttentionError(HybridCacheError, RuntimeError):
     """A compressed layer's `CompressedKV` handle reached code that is not hybrid_cache's code-domain attention."""
 
@@ -64,3 +71,8 @@ class UnsupportedReleaseError(HybridCacheError, RuntimeError):
 class IncompleteStepError(HybridCacheError, RuntimeError):
     """A forward failed after some layers stored its step, and the step cannot be taken back exactly (`steps.py`);
     the cache refuses every use until `reset`, `restore` or `load_into` replaces its state."""
+
+
+class ProgramFormatError(HybridCacheError, ValueError):
+    """A file given to `hybrid_cache.export.load_program` is not a hybrid_cache program, is damaged, or was exported
+    in a program format this version does not run; the message names the file and the fix."""

@@ -11,6 +11,7 @@ import torch
 from transformers.utils import is_torchdynamo_compiling
 
 from .storage import (
+    IN_PLACE,
     NOTHING_WRITTEN,
     StorageLayer,
     capacity_after_decoding,
@@ -59,6 +60,11 @@ class FixedCapacityCounters(_MixedInto):
         # A tensor op, so that compiled decode steps record their writes too.
         position = torch.as_tensor(position, device=self.floor_tensor.device)
         torch.minimum(self.floor_tensor, position, out=self.floor_tensor)
+
+    def key_positions(self) -> torch.Tensor:
+        """Absolute position of every key the last `update` returned: the whole buffer, `-1` past the length."""
+        positions = torch.arange(self.max_cache_len, device=self.length_tensor.device)
+        return torch.where(positions < self.length_tensor, positions, -1)
 
     def allocate_fixed(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate `max_cache_len` slots like `key_states` / `value_states`, move the counters to their device and
@@ -114,10 +120,6 @@ class GrowableFullLayer(StorageLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
 
-    def key_positions(self) -> torch.Tensor:
-        """Absolute position of every key the last `update` returned (time order: `0 .. length - 1`)."""
-        return torch.arange(self.cumulative_length, device=self.keys.device if self.is_initialized else None)
-
     def get_max_length(self) -> int:
         return -1
 
@@ -145,6 +147,8 @@ class StaticFullLayer(FixedCapacityCounters, StorageLayer):
     is_sliding = False
     is_compileable = True
     state_kind = "full_attention"
+    tensor_steps = False  # an exported program's layer: storage and counters are the program's (`hybrid_cache.export`)
+    slot_writes = IN_PLACE
 
     def __init__(self, max_cache_len: int) -> None:
         self.init_counters(max_cache_len)
@@ -157,6 +161,11 @@ class StaticFullLayer(FixedCapacityCounters, StorageLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         query_length = key_states.shape[-2]
+        if self.tensor_steps:  # an exported program: its runner checked the capacity and advances the counter
+            positions = self.length_tensor + torch.arange(query_length, device=key_states.device)
+            self.slot_writes.index(self, "keys", positions, key_states)
+            self.slot_writes.index(self, "values", positions, value_states)
+            return self.keys, self.values
         if not is_torchdynamo_compiling():  # shape checks read the counters: eager only
             prepare_fixed_capacity_step(self, key_states, value_states)
         positions = self.length_tensor + torch.arange(query_length, device=self.device)
@@ -168,11 +177,6 @@ class StaticFullLayer(FixedCapacityCounters, StorageLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
-
-    def key_positions(self) -> torch.Tensor:
-        """Absolute position of every key the last `update` returned: the whole buffer, `-1` past the length."""
-        positions = torch.arange(self.max_cache_len, device=self.length_tensor.device)
-        return torch.where(positions < self.length_tensor, positions, -1)
 
     def _check_autograd_allowed(self) -> None:
         refuse_static_autograd()

@@ -33,7 +33,6 @@ The hook is installed by `HybridRingCache` itself (on construction and on unpick
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -47,9 +46,9 @@ from transformers.masking_utils import (
 from transformers.utils import is_torchdynamo_compiling
 
 from .code_attention import CODE_ATTENTION
-from .compat import chunked_prefill_release_note
 from .errors import ConversationMismatchError, PreparedMaskError, UnsupportedAttentionError, WindowMismatchError
 from .specs import declared_window
+from .steps import check_mask_covers, refuse_unheld_key
 
 __all__ = [
     "SUPPORTED_ATTN_IMPLEMENTATIONS",
@@ -57,17 +56,14 @@ __all__ = [
     "ConversationMismatchError",
     "DenseMaskRequest",
     "HeldFromOffset",
-    "IssuedLayouts",
     "PreparedMaskError",
     "RingLayout",
     "UnsupportedAttentionError",
     "WindowMismatchError",
     "annotate_offset",
-    "check_prepared_mask_width",
     "check_ring_attention_supported",
     "install_mask_hook",
     "is_mask_hook_installed",
-    "refuse_empty_step",
     "uninstall_mask_hook",
 ]
 
@@ -265,13 +261,7 @@ def _check_window(
         violation = violation & ~visible(0, None)  # full-attention masks are not a ring's
     if bool(violation.any()):
         model_window = local_size if local_size is not None else declared_window(request.get("config"))
-        raise WindowMismatchError(
-            f"The model's attention mask lets a query see the key at position {missing}, but HybridRingCache's "
-            f"sliding-window ring holds only {held_text}: the model attends further back than the window the cache "
-            f"was built for"
-            + (f" (the model's sliding_window={model_window})" if model_window is not None else "")
-            + ". Build the cache from the model's own config: `HybridRingCache(model.config)`."
-        )
+        refuse_unheld_key(missing, held_text, model_window)
 
 
 def _check_held_from(
@@ -307,14 +297,7 @@ def _check_mask_covers_cache(kv_offset: CacheOffset | RingLayout, attention_mask
     needed = kv_offset.columns_needed
     if needed is None or attention_mask is None or attention_mask.ndim != 2 or is_torchdynamo_compiling():
         return
-    if attention_mask.shape[-1] < needed:
-        raise ConversationMismatchError(
-            f"The attention mask has {attention_mask.shape[-1]} columns, but HybridRingCache holds "
-            f"tokens before this step: it needs {needed} columns (the cached tokens followed "
-            f"by this step's). A cache holds one conversation: to continue it, pass the whole conversation (the "
-            f"cached tokens, then the new ones) with its attention mask; to start another, pass a new "
-            f"`HybridRingCache(model.config)` or call `cache.reset()` first.{chunked_prefill_release_note()}"
-        )
+    check_mask_covers(attention_mask.shape[-1], needed)
 
 
 _Offset = TypeVar("_Offset")
@@ -503,87 +486,3 @@ def annotate_offset(
     if isinstance(kv_offset, (RingLayout, HeldFromOffset)):
         kv_offset.sliding_request = sliding_request
     return kv_offset
-
-
-class IssuedLayouts:
-    """The ring layouts a cache announced to the mask creation of the current step, and whether the hook served them.
-
-    A wrapped ring's one-token step is only exact if this step's mask was built by the hook from the layout
-    `get_mask_sizes` announced: `issue` records each announced layout (the latest per layer: model code may size
-    something from one request, Gemma's image-block padding, and build the mask from the next), `check_served` is
-    called before the step's first write. A step is `(cache length, query length)`; after a crop, reset or restore the
-    same step can come again, so the cache calls `forget`.
-    """
-
-    def __init__(self) -> None:
-        self.forget()
-
-    def forget(self) -> None:
-        self._layouts: dict[int, RingLayout] = {}
-        self._step: tuple[int, int] | None = None
-        self._verified: tuple[int, int] | None = None  # the step whose served layouts were checked
-
-    def issue(self, layer_idx: int, step: tuple[int, int], layout: RingLayout) -> None:
-        if step != self._step:
-            self._layouts, self._step = {}, step
-        self._layouts[layer_idx] = layout
-
-    def check_served(self, step: tuple[int, int], attn_implementation: str | None) -> None:
-        """Raise unless the layouts announced for `step` were all served by the hook (checked once per step)."""
-        if self._verified == step:
-            return  # a later layer of the step whose layouts the first one verified
-        check_ring_attention_supported(attn_implementation)
-        layouts, self._layouts = self._layouts, {}  # checked once; do not keep their tensors alive
-        if not layouts or not all(layout.served for layout in layouts.values()) or self._step != step:
-            raise PreparedMaskError(
-                "HybridRingCache's sliding-window ring has wrapped, but no attention mask was built for its slot "
-                "layout in this forward pass (the model was given a prepared 4D attention mask, or its attention "
-                "does not use transformers' mask functions). Pass a 2D attention mask (or none) so the model builds "
-                "its masks itself, or use `DynamicCache` for this model."
-            )
-        self._verified = step
-
-
-def refuse_empty_step(cached_tokens: int) -> None:
-    """Raise `ConversationMismatchError` for a step with no new tokens (`get_mask_sizes(0, ...)`)."""
-    raise ConversationMismatchError(
-        f"A step with no new tokens reached HybridRingCache, which holds {cached_tokens} tokens: "
-        f"`generate` slices the new tokens off the prompt by the cached length, so a prompt no longer than "
-        f"the cached tokens leaves nothing (or the wrong tokens) to run. A cache holds one conversation: to "
-        f"continue it, pass the whole conversation (the cached tokens, then the new ones); to start another, "
-        f"pass a new `HybridRingCache(model.config)` or call `cache.reset()` first."
-    )
-
-
-def check_prepared_mask_width(layer: Any, layer_idx: int, query_length: int, caller_depth: int = 2) -> None:
-    """Refuse a step whose prepared 4D attention mask does not have the width of the keys `layer` will return for it,
-    before the layer writes anything (`PreparedMaskError`, naming both widths).
-
-    transformers hands a prepared mask (a 4D tensor, or a dict of them per layer type, passed as `attention_mask`)
-    straight to the attention: neither the mask creation nor the cache sees it, and a wrong width ends in a bare
-    tensor-shape error inside attention, or, for a width of 1, in a silent broadcast. The attention module passes
-    its mask to the attention function, not to `cache.update`, so it is read from the calling frame's local
-    `attention_mask` (`caller_depth` frames up from here: the attention forward that called `update`); when the caller
-    has no such local (a model that updates the cache elsewhere), nothing is checked. Masks built by the hook have the
-    right width by construction; only a tensor `[..., kv_length]` is compared (flex attention's `BlockMask` is not).
-    """
-    if is_torchdynamo_compiling():
-        return
-    try:
-        mask = sys._getframe(caller_depth).f_locals.get("attention_mask")
-    except ValueError:  # fewer frames than that: not called from an attention module
-        return
-    if not isinstance(mask, torch.Tensor) or mask.ndim != 4:
-        return
-    kv_length = layer.get_mask_sizes(query_length)[0]
-    if mask.shape[-1] != int(kv_length):
-        raise PreparedMaskError(
-            f"Layer {layer_idx} was given a prepared attention mask {mask.shape[-1]} keys wide, but HybridRingCache "
-            f"returns {int(kv_length)} keys for this step of {query_length} token(s) (a sliding-window ring returns "
-            f"at most its window, in its own slot order once wrapped; a mask prepared for another cache, for this "
-            f"one before a crop / reset / restore, or by a model whose own code sizes sliding masks for the whole "
-            f"conversation (transformers 5.14's Gemma 3 / 4 given token types, where DynamicCache fails too) does not "
-            f"fit). Nothing was written by this layer. Pass a 2D "
-            f"attention mask (or none) so the model builds the masks for this cache, or build the prepared masks "
-            f"from this cache right before the step (`create_masks_for_generate(..., cache=cache)`)."
-        )

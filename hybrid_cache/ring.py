@@ -2,21 +2,24 @@
 compileable variant with static addresses and tensor counters (`StaticRingSlidingLayer`), on `UndoableStepLayer`, the
 base of every layer that overwrites slots in place (also `streaming.SinkWindowFullLayer`).
 
-A ring of `capacity` slots keeps position `p` in slot `p % capacity`; `_oldest` is the lowest position still held, so
-the ring holds positions `[_oldest, length)`.
+A ring of `capacity` slots keeps position `p` in slot `p % capacity` (the arithmetic: `slots.py`); `_oldest` is the
+lowest position still held, so the ring holds positions `[_oldest, length)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from transformers.utils import is_torchdynamo_compiling
 
 from .errors import RollbackError
 from .mask_hook import HeldFromOffset, RingLayout
+from .slots import SlotRuns, advance_oldest, floor_mod, ring_runs, ring_slots, slot_positions, window_reaches
 from .storage import (
+    IN_PLACE,
     StorageLayer,
     capacity_after_decoding,
     mark_static,
@@ -26,31 +29,53 @@ from .storage import (
     writable,
 )
 
-__all__ = ["RingSlidingLayer", "RingStepUndo", "StaticRingSlidingLayer", "UndoableStepLayer", "ring_slots"]
+__all__ = [
+    "RingSlidingLayer",
+    "RingStepUndo",
+    "SlotUndo",
+    "StaticRingSlidingLayer",
+    "UNDO_SLOTS",
+    "UndoableStepLayer",
+]
 
 
-def ring_slots(length: int, oldest: int, max_slots: int) -> int:
-    """Slots of a ring worth keeping: `[0, length)` while in time order (`oldest == 0`, `length <= max_slots`), else
-    every slot (in slot order, not time order)."""
-    return length if oldest == 0 and length <= max_slots else max_slots
+#: Most held slots a step may overwrite and still keep to be undone (`SlotUndo`); a longer step past the wrap (a
+#: prefill chunk) keeps none, whose copy would double the rings' bytes at a chunked prefill's peak (docs/api.md).
+UNDO_SLOTS = 64
+
+UndoT = TypeVar("UndoT")  # what undoes a recorded step (`ring.RingStepUndo`, `streaming.SinkWindowStepUndo`)
 
 
-UndoT = TypeVar("UndoT")  # what undoes a layer's last step (`ring.RingStepUndo`, `streaming.SinkWindowStepUndo`)
+@dataclasses.dataclass(eq=False)
+class SlotUndo:
+    """What undoes the last step of a layer that overwrites slots in place: the runs of slots it overwrote, as they
+    were before it, and the counters before it. Kept for every step that overwrites at most `UNDO_SLOTS` held slots
+    (one slot for a decode step), until the next step; `crop` back to `length` (or below)
+    writes the runs back, so the layer is exactly as it was before the step, whatever its length."""
+
+    length: int  # cache length before the step
+    oldest: int  # oldest held position before the step
+    end: int  # cache length right after the step: the record is only valid while the layer is still there
+    runs: tuple[tuple[int, torch.Tensor, torch.Tensor], ...]  # (first slot, keys, values) of each overwritten run
 
 
 class UndoableStepLayer(StorageLayer, Generic[UndoT]):
-    """A layer whose slots are overwritten in place (a ring), and which may therefore keep a copy to undo its last
-    speculative step (`_undo`, while past recording is on). Every crop is planned first by `_crop_plan` (raising
-    before anything changes) and then applied, undoing the kept step through `_undo_step` where the plan says so.
-    Any batch reshuffle drops the copy: it was kept in the old batch order, so a later rollback must not restore it.
+    """A layer whose slots are overwritten in place (a ring), and which therefore keeps what undoes its last step
+    (`_undo`): the slots it overwrote (`SlotUndo`, for every step), or, while past recording is on, the step's whole
+    time-ordered window (`UndoT`), from which any part of a speculative step can be undone. Every crop is planned
+    first by `_crop_plan` (raising before anything changes) and then applied, undoing the kept step through
+    `_undo_step` where the plan says so. Any batch reshuffle drops the record: it was kept in the old batch order, so
+    a later rollback must not restore it.
 
-    Subclasses keep `_oldest` (the lowest overwritable position still held) and `max_slots` (slots allocated).
+    Subclasses keep `_oldest` (the lowest overwritable position still held) and `max_slots` (slots allocated), and
+    say where a step's newest tokens go (`_newest_runs`) and which lengths the held slots can continue (`_reaches`).
     """
 
-    _undo: UndoT | None = None
+    _undo: UndoT | SlotUndo | None = None
     restores_by_length = False  # slots are overwritten in place: a checkpoint copies them
     ring_ordered = True
     records_steps = True
+    _step_fields: tuple[str, ...] = ("_undo", "record_past")
 
     def load_state(self, meta: Mapping[str, Any], keys: torch.Tensor, values: torch.Tensor) -> None:
         """As `StorageLayer.load_state`, and the slots past the state's are zeroed: a ring's unused slots hold
@@ -63,13 +88,93 @@ class UndoableStepLayer(StorageLayer, Generic[UndoT]):
     def _load_counters(self, meta: Mapping[str, Any]) -> None:
         self.cumulative_length, self._oldest = meta["length"], meta["oldest"]
 
-    def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
-        """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise changing nothing."""
+    # --- where a step writes, and what undoes it ------------------------------------------------------------------
+    def _newest_runs(self, query_length: int) -> SlotRuns:
+        """The runs of slots where a step of `query_length` tokens from the current length keeps its tokens."""
         raise NotImplementedError
 
-    def _undo_step(self, undo: UndoT, new_length: int) -> None:
-        """Restore the state before the kept step `undo`, then rewrite its first tokens up to `new_length`."""
+    def _write_newest(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write the tokens of a step that stay held (`_newest_runs`) and advance the length."""
+        for slot, count, source in self._newest_runs(key_states.shape[-2]):
+            self.keys[:, :, slot : slot + count].copy_(key_states[:, :, source : source + count])
+            self.values[:, :, slot : slot + count].copy_(value_states[:, :, source : source + count])
+        self._advance(key_states.shape[-2])
+
+    def _advance(self, query_length: int) -> None:
         raise NotImplementedError
+
+    def _keep_overwritten(self, runs: SlotRuns, query_length: int) -> None:
+        """Before a step of `query_length` tokens writes `runs`: keep what they hold and the counters (`SlotUndo`).
+        An empty layer holds nothing worth keeping; a step overwriting more than `UNDO_SLOTS` slots keeps nothing."""
+        length = int(self.cumulative_length)
+        kept = () if length == 0 else runs
+        if sum(count for _, count, _ in kept) > UNDO_SLOTS:
+            self._undo = None
+            return
+        saved = tuple(
+            (slot, self.keys[:, :, slot : slot + count].clone(), self.values[:, :, slot : slot + count].clone())
+            for slot, count, _ in kept
+        )
+        self._undo = SlotUndo(length, int(self._oldest), length + query_length, saved)
+
+    def _reaches(self, new_length: int, oldest: int) -> bool:
+        """Whether a layer holding every position from `oldest` on can continue at `new_length` exactly."""
+        raise NotImplementedError
+
+    def _recorded_end(self, undo: UndoT) -> int:
+        """The cache length right after the recorded step `undo`."""
+        raise NotImplementedError
+
+    def _undo_recorded_step(self, undo: UndoT, new_length: int) -> None:
+        """Restore the state before the recorded step `undo`, then rewrite its first tokens up to `new_length`."""
+        raise NotImplementedError
+
+    def _rollback_error(self, new_length: int) -> RollbackError:
+        raise NotImplementedError
+
+    def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
+        """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise changing nothing.
+
+        A crop back to the start of the last step or before it writes back the slots that step overwrote, when they
+        reach the new length; otherwise the held slots must reach it (every key the next query needs still held);
+        else, within a recorded step, its kept window rewrites the positions up to the new length. A record is used
+        only while the layer is where its step left it (compiled steps keep none).
+        """
+        length = int(self.cumulative_length)
+        new_length = resolve_crop_length(tokens_to_remove, length)
+        undo = self._undo
+        if isinstance(undo, SlotUndo):
+            if undo.end == length and new_length <= undo.length and self._reaches(new_length, undo.oldest):
+                return new_length, True
+        if self._reaches(new_length, int(self._oldest)):
+            return new_length, False
+        if undo is not None and not isinstance(undo, SlotUndo) and self._recorded_end(undo) == length:
+            if undo.length <= new_length or self._reaches(new_length, undo.oldest):  # type: ignore[attr-defined]
+                return new_length, True
+        raise self._rollback_error(new_length)
+
+    def _undo_step(self, undo: UndoT | SlotUndo, new_length: int) -> None:
+        if isinstance(undo, SlotUndo):
+            for slot, keys, values in undo.runs:
+                self.keys[:, :, slot : slot + keys.shape[-2]].copy_(keys)
+                self.values[:, :, slot : slot + values.shape[-2]].copy_(values)
+            self.cumulative_length, self._oldest = new_length, undo.oldest
+        else:
+            self._undo_recorded_step(undo, new_length)
+
+    def undo_tensors(self) -> list[torch.Tensor]:
+        """The tensors kept to undo the last step (the slots it overwrote, or a recorded step's window)."""
+        undo = self._undo
+        if undo is None:
+            return []
+        if isinstance(undo, SlotUndo):
+            return [tensor for _, keys, values in undo.runs for tensor in (keys, values)]
+        return [field for field in vars(undo).values() if isinstance(field, torch.Tensor)]
+
+    def extra_nbytes(self) -> int:
+        """Counters plus what undoes the last step (the slots it overwrote, or a recorded step's window)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.undo_tensors()}
+        return super().extra_nbytes() + sum(storages.values())
 
     def activate_past_recording(self) -> None:
         """Called by assisted / prompt-lookup decoding before steps that may be rolled back with `crop(-n)`.
@@ -77,13 +182,24 @@ class UndoableStepLayer(StorageLayer, Generic[UndoT]):
         While recording, a multi-token step that overwrites slots keeps what is needed to undo it (for rings, the
         time-ordered window it returns, a `cat` it makes anyway) until the next `update` or `crop`, so `crop` can
         undo any part of that step exactly without growing the storage. Rollback of tokens from earlier steps is
-        limited to `rollback_margin + 1` tokens.
+        limited to `rollback_margin + 1` tokens. A recorded step kept from before is released: recording starts
+        with the next step (otherwise that step would end it, as an update after a recorded step does).
         """
         self.record_past = True
+        if not isinstance(self._undo, SlotUndo):
+            self._undo = None
 
     def deactivate_past_recording(self) -> None:
-        """Stop recording and release the kept step (see `HybridRingCache.deactivate_past_recording`)."""
+        """Stop recording and release a recorded step's window (the slots of the last step stay: they are small)."""
         self.record_past = False
+        if not isinstance(self._undo, SlotUndo):
+            self._undo = None
+
+    def _ends_recording(self) -> None:
+        """An update follows a recorded step that was never rolled back: speculative decoding (update, crop, update,
+        crop, ...) is over, so stop recording instead of keeping a window copy alive after every later step."""
+        if self._undo is not None and self.record_past and not isinstance(self._undo, SlotUndo):
+            self.record_past = False
         self._undo = None
 
     @property
@@ -94,9 +210,10 @@ class UndoableStepLayer(StorageLayer, Generic[UndoT]):
         return self.max_slots
 
     def reset(self) -> None:
+        """Forget every token and the last step's record; past recording (a mode of the cache, set by
+        `activate_past_recording`) stays as it is, as in transformers' own layers."""
         super().reset()
         self._oldest = 0
-        self.record_past = False
         self._undo = None
 
     def check_crop(self, tokens_to_remove: int) -> None:
@@ -104,8 +221,8 @@ class UndoableStepLayer(StorageLayer, Generic[UndoT]):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Roll back tokens (negative: how many, transformers' convention; positive: the length to keep), exactly or
-        not at all: a refused crop raises `RollbackError` and changes nothing. Any crop resolves the last speculative
-        step, so the copy kept to undo it is released."""
+        not at all: a refused crop raises `RollbackError` and changes nothing. Any crop resolves the last step, so
+        what was kept to undo it is released."""
         new_length, undo_step = self._crop_plan(tokens_to_remove)
         undo, self._undo = self._undo, None
         if not undo_step:
@@ -128,7 +245,8 @@ class UndoableStepLayer(StorageLayer, Generic[UndoT]):
         self._undo = None
 
 
-class RingStepUndo(NamedTuple):
+@dataclasses.dataclass(eq=False)
+class RingStepUndo:
     """What `crop` needs to undo the last multi-token step of a wrapped ring (kept only while recording past).
 
     `keys` / `values` are the step's returned tensors: the held positions `[oldest, length)` in time order followed
@@ -159,6 +277,7 @@ class RingSlidingLayer(UndoableStepLayer[RingStepUndo]):
     """
 
     is_sliding = True
+    _step_fields: tuple[str, ...] = ("_undo", "record_past", "_returned")
 
     def __init__(self, sliding_window: int, rollback_margin: int = 0) -> None:
         super().__init__()
@@ -220,8 +339,7 @@ class RingSlidingLayer(UndoableStepLayer[RingStepUndo]):
         tensors so that no Python integer (nor a device sync) is involved.
         """
         oldest = self._oldest if oldest is None else oldest
-        slot_ids = torch.arange(self.max_slots, device=self.keys.device if self.is_initialized else None)
-        positions = (length - 1) - torch.remainder((length - 1) - slot_ids, self.max_slots)
+        positions = slot_positions(length, self.max_slots, device=self.keys.device if self.is_initialized else None)
         return torch.where(positions >= oldest, positions, -1)
 
     def _first_returned(self, query_length: int) -> int:
@@ -266,11 +384,7 @@ class RingSlidingLayer(UndoableStepLayer[RingStepUndo]):
         self._prepare(key_states, value_states)
         query_length = key_states.shape[-2]
         length = self.cumulative_length
-        if self._undo is not None and self.record_past:
-            # The last recorded step was never rolled back: speculative decoding (update, crop, update, crop, ...)
-            # is over, so stop recording instead of keeping a window copy alive after every later step.
-            self.record_past = False
-        self._undo = None
+        self._ends_recording()
         kind = self._step_kind(query_length)
 
         if kind == "ordered":  # nothing is overwritten: any rollback stays exact
@@ -285,10 +399,9 @@ class RingSlidingLayer(UndoableStepLayer[RingStepUndo]):
         # From here on the ring has (or gets) all its slots; the held prefix keeps its slots `p % capacity == p`.
         self._grow(self.max_slots, query_length, limit=self.max_slots)
         if kind == "decode":
-            slot = length % self.max_slots
-            self.keys[:, :, slot : slot + 1].copy_(key_states)
-            self.values[:, :, slot : slot + 1].copy_(value_states)
-            self._advance(1)
+            runs = self._newest_runs(1)
+            self._keep_overwritten(runs, 1)
+            self._write_newest(key_states, value_states)
             self._returned = ("ring", self.cumulative_length, self._oldest)
             return self.keys, self.values
 
@@ -305,6 +418,8 @@ class RingSlidingLayer(UndoableStepLayer[RingStepUndo]):
         if self.record_past:
             # Speculative step: keep what `crop` needs to undo it (the window, which the step copies anyway).
             self._undo = RingStepUndo(length, oldest, window_keys, window_values)
+        else:
+            self._keep_overwritten(self._newest_runs(query_length), query_length)
         self._write_newest(key_states, value_states)
         self._returned = ("range", first, length + query_length)
         skip = first - copied_from
@@ -313,34 +428,19 @@ class RingSlidingLayer(UndoableStepLayer[RingStepUndo]):
     def _held_in_time_order(self, start_position: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Views of the slots holding positions `[start_position, length)` (all held), oldest first: one piece, or
         two across the end of the ring."""
-        capacity = self.max_slots
-        count = self.cumulative_length - start_position
-        start = start_position % capacity
-        pieces = [(start, min(start + count, capacity))]
-        if start + count > capacity:
-            pieces.append((0, start + count - capacity))
-        return [self.keys[:, :, a:b] for a, b in pieces], [self.values[:, :, a:b] for a, b in pieces]
+        runs = ring_runs(start_position, self.cumulative_length - start_position, self.max_slots)
+        keys = [self.keys[:, :, slot : slot + count] for slot, count, _ in runs]
+        return keys, [self.values[:, :, slot : slot + count] for slot, count, _ in runs]
 
-    def _write_newest(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Write `n` tokens as positions `[length, length + n)`, keeping the newest `min(n, capacity)` at
-        `position % capacity` (at most two contiguous pieces), and advance the length."""
-        query_length = key_states.shape[-2]
-        capacity = self.max_slots
-        kept = min(query_length, capacity)
-        first_position = self.cumulative_length + query_length - kept
-        start = first_position % capacity
-        head = min(kept, capacity - start)
-        source = query_length - kept
-        self.keys[:, :, start : start + head].copy_(key_states[:, :, source : source + head])
-        self.values[:, :, start : start + head].copy_(value_states[:, :, source : source + head])
-        if kept > head:
-            self.keys[:, :, : kept - head].copy_(key_states[:, :, source + head :])
-            self.values[:, :, : kept - head].copy_(value_states[:, :, source + head :])
-        self._advance(query_length)
+    def _newest_runs(self, query_length: int) -> SlotRuns:
+        """Positions `[length, length + n)` keep their newest `min(n, capacity)` at `position % capacity`."""
+        kept = min(query_length, self.max_slots)
+        runs = ring_runs(self.cumulative_length + query_length - kept, kept, self.max_slots)
+        return [(slot, count, source + query_length - kept) for slot, count, source in runs]
 
     def _advance(self, query_length: int) -> None:
         self.cumulative_length += query_length
-        self._oldest = max(self._oldest, self.cumulative_length - self.max_slots)
+        self._oldest = advance_oldest(self._oldest, self.cumulative_length, self.max_slots)
 
     # --- state (see `StorageLayer.meta_state`): the slots as they are, in slot order, with the two counters --------
     state_kind = "sliding_attention"
@@ -360,56 +460,52 @@ class RingSlidingLayer(UndoableStepLayer[RingStepUndo]):
         )
 
     # --- protocol -------------------------------------------------------------------------------------------------
-    def extra_nbytes(self) -> int:
-        """Counters plus the window kept for undoing the last speculative step (while recording past)."""
-        undo = self._undo
-        storages = (
-            {}
-            if undo is None
-            else {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (undo.keys, undo.values)}
-        )
-        return super().extra_nbytes() + sum(storages.values())
-
     def reset(self) -> None:
         super().reset()
         self._returned = ("range", 0, 0)
 
-    def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
-        """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise without changing anything.
+    def _reaches(self, new_length: int, oldest: int) -> bool:
+        """The next query (at the new length `L`) needs positions `L - W + 1 .. L - 1`: all held iff
+        `oldest <= max(0, L - W + 1)`."""
+        return window_reaches(new_length, oldest, self.sliding_window)
 
-        The next query (at the new length `L`) needs positions `L - W + 1 .. L - 1`; they are all still held iff
-        `_oldest <= max(0, L - W + 1)`. Otherwise, if `L` falls inside the last recorded multi-token step, that step
-        is undone from its kept window; else the rollback cannot be exact and we raise.
-        """
-        new_length = resolve_crop_length(tokens_to_remove, self.cumulative_length)
-        if self._oldest <= max(0, new_length - self.sliding_window + 1):
-            return new_length, False
-        if self._undo is not None and self._undo.length <= new_length:
-            return new_length, True
-        raise RollbackError(
+    def _recorded_end(self, undo: RingStepUndo) -> int:
+        return undo.oldest + undo.keys.shape[-2]
+
+    def _rollback_error(self, new_length: int) -> RollbackError:
+        return RollbackError(
             f"Cannot roll back to {new_length} tokens exactly: the sliding-window ring ({self.max_slots} slots = "
             f"window {self.sliding_window} + margin {self.rollback_margin}) already overwrote tokens the next query "
-            f"needs (it can undo at most {self.rollback_margin + 1} tokens after the wrap). Create the cache with "
-            f"`HybridRingCache(config, rollback_margin=N)` for N >= {self.cumulative_length - new_length - 1}, call "
-            f"`cache.activate_past_recording()` before the speculative step, or use `cache.checkpoint()` / "
-            f"`cache.restore()` for longer rollbacks."
+            f"needs (it undoes its last step if that overwrote at most {UNDO_SLOTS} slots, else at most "
+            f"{self.rollback_margin + 1} tokens after the wrap). Create "
+            f"the cache with `HybridRingCache(config, rollback_margin=N)` for N >= "
+            f"{self.cumulative_length - new_length - 1}, call `cache.activate_past_recording()` before the "
+            f"speculative step, or use `cache.checkpoint()` / `cache.restore()` for longer rollbacks."
         )
 
-    def _undo_step(self, undo: RingStepUndo, new_length: int) -> None:
+    def _undo_recorded_step(self, undo: RingStepUndo, new_length: int) -> None:
         # Rewrite positions [oldest, new_length) from the step's time-ordered window; the newest `capacity` stay.
         self.cumulative_length, self._oldest = undo.oldest, undo.oldest
         self._write_newest(undo.keys[:, :, : new_length - undo.oldest], undo.values[:, :, : new_length - undo.oldest])
 
 
 class StaticRingSlidingLayer(RingSlidingLayer):
-    """The ring of `RingSlidingLayer` with static addresses and tensor counters, for compiled decode steps.
+    """The ring of `RingSlidingLayer` with static addresses and tensor counters, for compiled decode steps and
+    exported programs.
 
     A one-token step always writes slot `length % capacity` with `index_copy_` and returns the whole ring (also
     before the wrap: empty slots get position `-1` and are masked), so every compiled decode step has the same
-    shapes and no branch on the cache length. Multi-token steps (prefill, not compiled) behave as in the parent.
+    shapes and no branch on the cache length. Multi-token steps (prefill, not compiled) behave as in the parent,
+    unless `tensor_steps` is set (an exported program, `hybrid_cache.export`): then a step of `n` tokens is tensor
+    arithmetic of the counters too, for any `n` and length: it returns the ring as it was followed by its own keys
+    (`capacity + n` keys, described by a `RingLayout`: a chunk never loses keys its own earlier queries need, however
+    long), then keeps its newest tokens, slot by slot (a gather, no duplicate index); the counters are the caller's
+    (the program's inputs), never advanced here. `slot_writes` says how slots are written (`storage.SlotWrites`).
     """
 
     is_compileable = True
+    tensor_steps = False  # every step in tensor arithmetic, counters advanced by the caller (`hybrid_cache.export`)
+    slot_writes = IN_PLACE
     cumulative_length = tensor_counter("length_tensor")
     _oldest = tensor_counter("oldest_tensor")
     _counter_names = ("length_tensor", "oldest_tensor")
@@ -438,28 +534,55 @@ class StaticRingSlidingLayer(RingSlidingLayer):
     # transformers declares `-> tuple[int, int]`: keys returned out of time order put a `RingLayout` in the
     # offset's place, which this package's mask hook (mask_hook.py) reads; hence the wider return type.
     def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:  # type: ignore[override]
-        if query_length != 1:
+        if query_length != 1 and not self.tensor_steps:
             return super().get_mask_sizes(query_length)
+        compiling = is_torchdynamo_compiling()
+        if query_length != 1:  # the ring as it was, then the step's own keys
+            held = self._slot_positions(self.length_tensor, self.oldest_tensor)
+            positions = torch.cat([held, self.length_tensor + torch.arange(query_length, device=held.device)])
+            end = self.length_tensor + query_length
+            return self.max_slots + query_length, RingLayout(positions, end=end if compiling else int(end))
         # Positions after writing position `length` at slot `length % capacity`; computed from the tensors alone.
         end = self.length_tensor + 1
         positions = self._slot_positions(end, self.oldest_tensor)
-        return self.max_slots, RingLayout(positions, end=end if is_torchdynamo_compiling() else int(end))
+        return self.max_slots, RingLayout(positions, end=end if compiling else int(end))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if key_states.shape[-2] != 1:
+        query_length = key_states.shape[-2]
+        if query_length != 1 and not self.tensor_steps:
             return super().update(key_states, value_states, *args, **kwargs)
-        if not is_torchdynamo_compiling():
+        # Compiled steps keep no record (`_crop_plan` then ignores older ones); nor do exported ones, whose storage
+        # and counters are the program's.
+        if not is_torchdynamo_compiling() and not self.tensor_steps:
             self._prepare(key_states, value_states)
-            self._undo = None
+            self._ends_recording()
+            self._keep_overwritten(self._newest_runs(query_length), query_length)
             self._returned = ("counters", 0, 0)  # positions from the counters (see `key_positions`)
-        slot = torch.remainder(self.length_tensor, self.max_slots).view(1)
-        self.keys.index_copy_(2, slot, key_states)
-        self.values.index_copy_(2, slot, value_states)
-        self.length_tensor.add_(1)
-        torch.maximum(self.oldest_tensor, self.length_tensor - self.max_slots, out=self.oldest_tensor)
+        if query_length != 1:
+            return self._tensor_step(key_states, value_states)
+        slot = floor_mod(self.length_tensor, self.max_slots).view(1)
+        self.slot_writes.index(self, "keys", slot, key_states)
+        self.slot_writes.index(self, "values", slot, value_states)
+        if not self.tensor_steps:
+            self.length_tensor.add_(1)
+            torch.maximum(self.oldest_tensor, self.length_tensor - self.max_slots, out=self.oldest_tensor)
         return self.keys, self.values
+
+    def _tensor_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step of `n > 1` tokens in tensor arithmetic (`tensor_steps`): returns the ring as it was followed by the
+        step's keys, then each slot takes the newest of the step's positions it holds, if any."""
+        query_length = key_states.shape[-2]
+        returned_keys = torch.cat([self.keys, key_states], dim=-2)
+        returned_values = torch.cat([self.values, value_states], dim=-2)
+        start = self.length_tensor
+        after = slot_positions(start + query_length, self.max_slots, device=key_states.device)
+        take = after >= start
+        source = (after - start).clamp(0, query_length - 1)
+        self.slot_writes.replace(self, "keys", take, key_states.index_select(2, source))
+        self.slot_writes.replace(self, "values", take, value_states.index_select(2, source))
+        return returned_keys, returned_values
 
     def key_positions(self) -> torch.Tensor:
         if self._returned[0] == "counters":

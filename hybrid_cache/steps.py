@@ -1,35 +1,272 @@
-"""Steps as transactions: what the step in progress has written, so that a forward that raised after some layers
-stored it is undone before the cache is used again.
+"""Step admission: the one place where a step is admitted before it writes, journaled while it writes, and undone when
+it fails.
 
-A model's forward stores one step (its `query_length` new tokens) layer by layer, in layer order, after building
-its masks (`get_mask_sizes`, which arms the journal). `StepJournal` records which storing layers have stored the
-open step. The step is complete when the last storing layer has stored
-it. A forward that raised before that (an out-of-memory in a layer's MLP, a `KeyboardInterrupt`, an error in an
-attention function) leaves the step open; so does one whose attention on codes reported a refusal after the write
-(`fail`). Such a step is *dead*, and the next call that can only come from a new step or from the user (the first
-`update` of a new step, mask creation, `crop`, `save`, ...) undoes it: every layer that stored it is cropped back by
-`query_length` tokens, which is exact wherever the layer can undo that many tokens (always for one-token steps; for a
-multi-token step on a wrapped ring only while past recording kept its window). Where it cannot, the cache refuses
-every further use with `IncompleteStepError` until `reset`, `restore` or `load_into` replaces its state.
+A model's forward stores one step (its `query_length` new tokens) layer by layer, in layer order, after building its
+masks. Three moments, and what this module does at each (`StepAdmission`, one per cache):
+
+1. **Masks are built** (`get_mask_sizes`, before any layer writes): a dead step is undone first (below), the journal
+   is armed, and a step with no new tokens is refused (`refuse_empty_step`). The mask hook checks, with what only the
+   mask creation sees, that the 2D attention mask covers the held tokens (`check_mask_covers`) and that the model's
+   window does not reach a key the ring no longer holds (`refuse_unheld_key`); the ring layouts it was announced
+   are recorded (`IssuedLayouts`).
+2. **A layer is about to write** (`StepAdmission.admit`, called by `HybridRingCache.update`): a prepared 4D mask
+   has the width of the keys the layer returns (`check_prepared_mask_width`); the first step after
+   `activate_past_recording` on held tokens continues them (`check_assisted_start`); at the step's first layer,
+   every layer can hold the step (`check_capacity`, through each layer's `check_fits`) and compressed codes meet an
+   attention that reads them (`check_code_attention`); a wrapped ring's layout was served by the hook
+   (`IssuedLayouts.check_served`). Every refusal comes before the first write, so a refused step changes nothing.
+3. **A layer stored the step** (`StepJournal.stored`): the journal records which storing layers wrote the open step,
+   with what each layer kept about its previous step (`step_bookkeeping`: the record that undoes it, what it
+   returned), so that undoing the open step puts the layer back exactly.
+
+A step is *dead* when a forward raised after some layers stored it (an out-of-memory in a layer's MLP, a
+`KeyboardInterrupt`, attention on the codes refusing after the write: `fail`). The next call that can only come from
+a new step or from the user (mask creation, the first `update` of a new step, `crop`, `save`, ...) undoes it: every
+layer that stored it is cropped back by `query_length` tokens, which is exact because each layer that overwrites
+slots in place keeps the slots its last step overwrote (`ring.SlotUndo`), and then given back its previous step's
+bookkeeping. Where a layer cannot (a compiled step keeps no record), the cache refuses every further use with
+`IncompleteStepError` until `reset`, `restore` or `load_into` replaces its state.
 
 What the cache cannot see: a forward that raised after its last storing layer stored the step (in that layer's
 attention or MLP, the final norm, the output layer) leaves a complete step, as it leaves one in `DynamicCache`;
-`cache.crop(-query_length)` removes it.
+`cache.crop(-query_length)` takes it back exactly, through the same records.
+
+The rules are small functions of the cache's state (lengths, capacities, positions), so that a program whose state
+is tensors can check the same arithmetic and raise the same errors. `StepAdmission.forget` is the one reset path:
+`reset`, `restore` and `load_into` call it, and it clears everything above.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import IncompleteStepError, RollbackError
+import torch
 
-__all__ = ["StepJournal"]
+from .banded import BandedMask
+from .code_attention import CODE_ATTENTION
+from .compat import chunked_prefill_release_note, step_positions_note
+from .errors import (
+    CacheCapacityError,
+    CodeAttentionError,
+    ConversationMismatchError,
+    IncompleteStepError,
+    PreparedMaskError,
+    RollbackError,
+    WindowMismatchError,
+)
+from .state import StateHolder
+
+__all__ = [
+    "IssuedLayouts",
+    "StepAdmission",
+    "StepJournal",
+    "check_assisted_start",
+    "check_capacity",
+    "check_code_attention",
+    "check_mask_covers",
+    "check_prepared_mask_width",
+    "refuse_empty_step",
+    "refuse_unheld_key",
+]
 
 
+# --- the rules ---------------------------------------------------------------------------------------------------
+def refuse_empty_step(cached_tokens: int, holder: str = "HybridRingCache") -> None:
+    """Raise `ConversationMismatchError` for a step with no new tokens (`get_mask_sizes(0, ...)`; an exported
+    program's runner, `holder="the program"`)."""
+    fresh = (
+        "a new `HybridRingCache(model.config)` or call `cache.reset()`"
+        if holder == "HybridRingCache"
+        else ("call `program.reset()`")
+    )
+    raise ConversationMismatchError(
+        f"A step with no new tokens reached {holder}, which holds {cached_tokens} tokens: "
+        f"`generate` slices the new tokens off the prompt by the cached length, so a prompt no longer than "
+        f"the cached tokens leaves nothing (or the wrong tokens) to run. A cache holds one conversation: to "
+        f"continue it, pass the whole conversation (the cached tokens, then the new ones); to start another, "
+        f"{'pass ' if holder == 'HybridRingCache' else ''}{fresh} first."
+    )
+
+
+def check_capacity(length: int, query_length: int, max_cache_len: int) -> int:
+    """The length after a step of `query_length` tokens on `length` held ones, or `CacheCapacityError` when it
+    exceeds the fixed capacity `max_cache_len`."""
+    end = length + query_length
+    if end > max_cache_len:
+        raise CacheCapacityError(
+            f"The full-attention layers were allocated for max_cache_len={max_cache_len} tokens, but {end} are "
+            f"needed. Nothing was written. Create the cache with a larger `max_cache_len` (prompt + max_new_tokens), "
+            f"or leave it unset for storage that grows."
+        )
+    return end
+
+
+def check_mask_covers(mask_columns: int, columns_needed: int) -> None:
+    """Refuse a 2D attention mask of `mask_columns` columns for a step that needs `columns_needed` (the held tokens
+    followed by the step's): a shorter one means inputs that do not continue the cached conversation."""
+    if mask_columns < columns_needed:
+        raise ConversationMismatchError(
+            f"The attention mask has {mask_columns} columns, but HybridRingCache holds tokens before this step: it "
+            f"needs {columns_needed} columns (the cached tokens followed by this step's). A cache holds one "
+            f"conversation: to continue it, pass the whole conversation (the cached tokens, then the new ones) with "
+            f"its attention mask; to start another, pass a new `HybridRingCache(model.config)` or call "
+            f"`cache.reset()` first.{chunked_prefill_release_note()}"
+        )
+
+
+def check_assisted_start(cached_tokens: int, query_length: int, newest_position: int | None) -> None:
+    """Refuse the first step of an assisted / prompt-lookup `generate` that feeds the held tokens again.
+
+    transformers' `_assisted_decoding` runs its first target forward on the whole `input_ids` plus the draft, never
+    cut by the cache length as `_prefill` cuts a plain `generate`'s prompt; its position ids come from the attention
+    mask, so they start at 0. On a cache that holds the conversation's earlier turns, the step would append the whole
+    conversation after it (every cache, `DynamicCache` included, then continues wrong). Seen from the cache: the
+    step's newest position (`newest_position`, from the positions the attention passes) is below its own length.
+    `None`: the release passes no positions (`compat.step_positions_note` says which; a multi-token step is refused
+    there, since it cannot be told from one fed again).
+    """
+    if cached_tokens <= 0:
+        return
+    if newest_position is None:
+        note = step_positions_note()
+        if note and query_length > 1:
+            raise ConversationMismatchError(
+                f"This assisted / prompt-lookup step feeds {query_length} tokens to a cache that already holds "
+                f"{cached_tokens} tokens. {note} so a conversation continued here cannot be told from one fed again "
+                f"from its first token, which its assisted decoding does on the first step of a reused cache (every "
+                f"cache, DynamicCache included, then continues wrong). Nothing was written. Generate this turn "
+                f"without `assistant_model` / `prompt_lookup_num_tokens`, or start from a new cache (or "
+                f"`cache.reset()`) with the whole conversation as the prompt, or upgrade transformers."
+            )
+        return
+    if newest_position + 1 <= query_length:
+        raise ConversationMismatchError(
+            f"This step feeds {query_length} tokens at positions up to {newest_position} to a cache that already "
+            f"holds {cached_tokens} tokens: it starts the conversation over instead of continuing it. transformers' "
+            f"assisted / prompt-lookup decoding does this on its first step (it feeds the whole prompt plus the draft "
+            f"again, not cut by the cache length as a plain `generate` is; every cache, DynamicCache included, would "
+            f"then hold the earlier turns twice and continue wrong). Nothing was written. To continue a conversation "
+            f"held in this cache, generate this turn without `assistant_model` / `prompt_lookup_num_tokens`; to use "
+            f"them, start from a new cache (or `cache.reset()`) with the whole conversation as the prompt."
+        )
+
+
+def check_code_attention(code_attention_option: bool | None, attention: str | None) -> None:
+    """Refuse `full_layer_code_attention=True` under an attention implementation that cannot read codes."""
+    if code_attention_option and attention != CODE_ATTENTION:
+        raise CodeAttentionError(
+            f"full_layer_code_attention=True, but the model's attention implementation is {attention!r}, which "
+            f"cannot read compressed codes. Select hybrid_cache's (`model.set_attn_implementation("
+            f"{CODE_ATTENTION!r})` or `with hybrid_cache.use_code_attention(model):`), or build the cache with "
+            f"full_layer_code_attention=None to follow the model."
+        )
+
+
+def refuse_unheld_key(missing: int, held_text: str, model_window: int | None) -> None:
+    """Raise `WindowMismatchError`: the model's mask lets a real query see position `missing`, which the ring no
+    longer holds (it holds `held_text`): the cache was built for a smaller window than the model's."""
+    raise WindowMismatchError(
+        f"The model's attention mask lets a query see the key at position {missing}, but HybridRingCache's "
+        f"sliding-window ring holds only {held_text}: the model attends further back than the window the cache "
+        f"was built for"
+        + (f" (the model's sliding_window={model_window})" if model_window is not None else "")
+        + ". Build the cache from the model's own config: `HybridRingCache(model.config)`."
+    )
+
+
+def check_prepared_mask_width(layer: Any, layer_idx: int, query_length: int, caller_depth: int = 2) -> None:
+    """Refuse a step whose prepared 4D attention mask does not have the width of the keys `layer` will return for it,
+    before the layer writes anything (`PreparedMaskError`, naming both widths).
+
+    transformers hands a prepared mask (a 4D tensor, or a dict of them per layer type, passed as `attention_mask`)
+    straight to the attention: neither the mask creation nor the cache sees it, and a wrong width ends in a bare
+    tensor-shape error inside attention, or, for a width of 1, in a silent broadcast. The attention module passes
+    its mask to the attention function, not to `cache.update`, so it is read from the calling frame's local
+    `attention_mask` (`caller_depth` frames up from here: the attention forward that called `update`); when the caller
+    has no such local (a model that updates the cache elsewhere), nothing is checked. Masks built by the hook have the
+    right width by construction; only a tensor `[..., kv_length]` or a `BandedMask` (its `kv_length`) is compared (flex
+    attention's `BlockMask` is not).
+    """
+    try:
+        mask = sys._getframe(caller_depth).f_locals.get("attention_mask")
+    except ValueError:  # fewer frames than that: not called from an attention module
+        return
+    if isinstance(mask, BandedMask):
+        width = mask.kv_length
+    elif isinstance(mask, torch.Tensor) and mask.ndim == 4:
+        width = mask.shape[-1]
+    else:
+        return
+    kv_length = layer.get_mask_sizes(query_length)[0]
+    if width != int(kv_length):
+        raise PreparedMaskError(
+            f"Layer {layer_idx} was given a prepared attention mask {width} keys wide, but HybridRingCache "
+            f"returns {int(kv_length)} keys for this step of {query_length} token(s) (a sliding-window ring returns "
+            f"at most its window, in its own slot order once wrapped; a mask prepared for another cache, for this "
+            f"one before a crop / reset / restore, or by a model whose own code sizes sliding masks for the whole "
+            f"conversation (transformers 5.14's Gemma 3 / 4 given token types, where DynamicCache fails too) does not "
+            f"fit). Nothing was written by this layer. Pass a 2D attention mask (or none) so the model builds the "
+            f"masks for this cache, or build the prepared masks from this cache right before the step "
+            f"(`create_masks_for_generate(..., cache=cache)`)."
+        )
+
+
+def _newest_position(update_kwargs: Mapping[str, Any]) -> int | None:
+    """The newest position of the step, from the position ids the attention passes to `Cache.update`
+    (`kwargs={"position_ids": ...}` from transformers 5.24), or `None` when there are none."""
+    inner = update_kwargs.get("kwargs")
+    position_ids = inner.get("position_ids") if isinstance(inner, Mapping) else update_kwargs.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.numel() == 0:
+        return None
+    return int(position_ids[..., -1].max())
+
+
+# --- the layouts announced to the masks of a step -----------------------------------------------------------------
+class IssuedLayouts:
+    """The ring layouts a cache announced to the mask creation of the current step, and whether the hook served them.
+
+    A wrapped ring's one-token step is only exact if this step's mask was built by the hook from the layout
+    `get_mask_sizes` announced: `issue` records each announced layout (the latest per layer: model code may size
+    something from one request, Gemma's image-block padding, and build the mask from the next; the hook sets
+    `layout.served`), `check_served` is called before the step's first write. A step is `(cache length, query
+    length)`; after a crop, reset or restore the same step can come again, so the cache calls `forget`.
+    """
+
+    def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        self._layouts: dict[int, Any] = {}
+        self._step: tuple[int, int] | None = None
+        self.verified: tuple[int, int] | None = None  # the step whose served layouts were checked
+
+    def issue(self, layer_idx: int, step: tuple[int, int], layout: Any) -> None:
+        if step != self._step:
+            self._layouts, self._step = {}, step
+        self._layouts[layer_idx] = layout
+
+    def check_served(self, step: tuple[int, int]) -> None:
+        """Raise unless the layouts announced for `step` were all served by the hook (checked once per step)."""
+        if self.verified == step:
+            return  # a later layer of the step whose layouts the first one verified
+        layouts, self._layouts = self._layouts, {}  # checked once; do not keep their tensors alive
+        if not layouts or not all(layout.served for layout in layouts.values()) or self._step != step:
+            raise PreparedMaskError(
+                "HybridRingCache's sliding-window ring has wrapped, but no attention mask was built for its slot "
+                "layout in this forward pass (the model was given a prepared 4D attention mask, or its attention "
+                "does not use transformers' mask functions). Pass a 2D attention mask (or none) so the model builds "
+                "its masks itself, or use `DynamicCache` for this model."
+            )
+        self.verified = step
+
+
+# --- the journal -------------------------------------------------------------------------------------------------
 class StepJournal:
-    """The storing layers that wrote the open step, and whether that step is known to have failed.
+    """The storing layers that wrote the open step (with their previous step's bookkeeping), and whether that step is
+    known to have failed.
 
     Args:
         storing (`Sequence[int]`): the indices of the layers that store tokens, in the order a forward updates them.
@@ -66,11 +303,21 @@ class StepJournal:
     def begin(self, query_length: int) -> None:
         self.written, self.query_length, self.complete, self.failed = [], query_length, False, False
         self.tracking, self.armed = self.armed, False
+        self._previous: dict[int, Any] = {}
 
-    def stored(self, layer_idx: int) -> None:
+    @property
+    def journaling(self) -> bool:
+        """Whether the open step's writes are recorded (it was announced by mask creation)."""
+        return self.tracking
+
+    def stored(self, layer_idx: int, previous: Any = None) -> None:
+        """Layer `layer_idx` stored the open step; `previous` is its `step_bookkeeping()` from before the write."""
         if self.tracking:
             self.written.append(layer_idx)
+            self._previous[layer_idx] = previous
             self.complete = len(self.written) == len(self.storing)
+            if self.complete:
+                self._previous = {}  # a complete step is kept: nothing to put back
 
     def fail(self) -> None:
         """The step was refused after some layers stored it (attention on codes): undo it at the next call."""
@@ -83,6 +330,7 @@ class StepJournal:
         self.query_length, self.complete, self.failed = 0, False, False
         self.armed = self.tracking = False
         self.broken = None
+        self._previous = {}
 
     def abandon(self, layers: Sequence[Any]) -> None:
         """A refusal was raised during the step (by a check or a layer): undo what it stored now, so the refusal
@@ -112,4 +360,89 @@ class StepJournal:
             raise IncompleteStepError(self.broken) from None
         for index in written:
             layers[index].crop(-count)
-        self.written, self.failed = [], False
+            if self._previous.get(index) is not None:
+                layers[index].restore_step_bookkeeping(self._previous[index])
+        self.written, self.failed, self._previous = [], False, {}
+
+
+# --- admission ---------------------------------------------------------------------------------------------------
+class StepAdmission:
+    """Everything a cache keeps about the step in progress: the journal, the layouts announced to its masks, and the
+    assisted-start check pending after `activate_past_recording`; and the checks a step passes before it writes.
+
+    Args:
+        storing (`Sequence[int]`): the indices of the storing layers, in update order.
+        first_ring (`int | None`): the first layer whose keys may come out of time order (`ring_ordered`).
+    """
+
+    def __init__(self, storing: Sequence[int], first_ring: int | None) -> None:
+        self.journal = StepJournal(storing)
+        self.layouts = IssuedLayouts()
+        self.first_ring = first_ring
+        self.assisted_start = 0  # tokens held at `activate_past_recording`: the next step must continue them
+
+    def forget(self, held_tokens: Callable[[], int] | None = None) -> None:
+        """The one reset path: the cache's state was replaced (`reset`, `restore`, `load_into`). Nothing to undo, no
+        layout served, and a pending assisted-start check applies to the tokens now held (`held_tokens()`; none
+        after a reset)."""
+        self.journal.forget()
+        self.layouts.forget()
+        self.assisted_start = held_tokens() if self.assisted_start and held_tokens is not None else 0
+
+    def masks_requested(self, layers: Sequence[Any], query_length: int, held_tokens: Any) -> None:
+        """Mask creation for a step of `query_length` tokens (`get_mask_sizes`), before any layer writes: a dead step
+        is undone, the step is journaled, and an empty step refused. `held_tokens`: a callable giving the length."""
+        self.journal.settle(layers)
+        self.journal.arm()
+        if query_length == 0:
+            refuse_empty_step(held_tokens())
+
+    def admit(
+        self,
+        cache: StateHolder,
+        layer_idx: int,
+        query_length: int,
+        update_kwargs: Mapping[str, Any],
+        attention_supported: Callable[[str | None], None],
+    ) -> None:
+        """Every check before layer `layer_idx` of `cache` stores a step of `query_length` tokens; a new step first
+        undoes a dead one. `update_kwargs`: `Cache.update`'s keyword arguments; `attention_supported`: raises for an
+        attention that cannot mask a wrapped ring (`mask_hook.check_ring_attention_supported`), asked before a ring
+        layout is checked."""
+        layers, journal = cache.layers, self.journal
+        attention = getattr(cache.config, "_attn_implementation", None)
+        code_attention_option = cache.options.full_layer_code_attention
+        check_prepared_mask_width(layers[layer_idx], layer_idx, query_length, caller_depth=3)
+        if self.assisted_start:  # the first step of an assisted generate on held tokens
+            check_assisted_start(self.assisted_start, query_length, _newest_position(update_kwargs))
+            self.assisted_start = 0
+        starts = journal.starts_step(layer_idx)
+        if starts:
+            journal.settle(layers)
+            for layer in layers:  # fixed capacity (`max_cache_len`): refused here, not after the rings wrote
+                if hasattr(layer, "check_fits"):
+                    layer.check_fits(query_length)
+            check_code_attention(code_attention_option, attention)
+        self._check_ring_mask_was_built(layers, layer_idx, query_length, attention, attention_supported)
+        if starts:
+            journal.begin(query_length)
+
+    def _check_ring_mask_was_built(
+        self,
+        layers: Sequence[Any],
+        layer_idx: int,
+        query_length: int,
+        attention: str | None,
+        attention_supported: Callable[[str | None], None],
+    ) -> None:
+        """Checked before any layer of a step is written (also at a full layer that comes before the first ring),
+        so a refused step leaves the cache as it was (see `IssuedLayouts`)."""
+        first_ring = self.first_ring
+        if first_ring is None or layer_idx > first_ring and not getattr(layers[layer_idx], "ring_ordered", False):
+            return  # time-ordered layers after the first ring: the first ring already checked this step
+        ring = layers[max(layer_idx, first_ring)]
+        if getattr(ring, "ring_ordered", False) and ring.needs_ring_layout(query_length):
+            step = (ring.cumulative_length, query_length)
+            if self.layouts.verified != step:
+                attention_supported(attention)
+            self.layouts.check_served(step)

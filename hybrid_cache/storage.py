@@ -19,13 +19,16 @@ import torch
 from transformers.utils import is_torchdynamo_compiling
 
 from .compat import CacheLayerMixin
-from .errors import CacheCapacityError, RollbackError
+from .errors import RollbackError
 from .state import LayerState
+from .steps import check_capacity
 
 __all__ = [
     "GROWTH_FACTOR",
+    "IN_PLACE",
     "FixedCapacityLayer",
     "NOTHING_WRITTEN",
+    "SlotWrites",
     "StorageLayer",
     "capacity_after_decoding",
     "check_fixed_capacity",
@@ -139,6 +142,25 @@ def mark_static(*tensors: torch.Tensor) -> None:
 NOTHING_WRITTEN = 2**62
 
 
+class SlotWrites:
+    """How fixed-capacity layers write slots of their storage tensors: here in place, as eager and compiled steps
+    (and an exported program whose state is mutable buffers) do. `hybrid_cache.export` gives the layers of a program
+    whose state is graph inputs and outputs a functional writer instead, that rebinds the attribute."""
+
+    def index(self, layer: Any, name: str, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write `rows` `[batch, heads, n, head_dim]` at slots `index` `[n]` of the tensor `layer.<name>`."""
+        getattr(layer, name).index_copy_(2, index, rows)
+
+    def replace(self, layer: Any, name: str, take: torch.Tensor, rows: torch.Tensor) -> None:
+        """Every slot where `take` (`[slots]`, bool) is set takes `rows` (`[batch, heads, slots, head_dim]`) into
+        `layer.<name>`; the other slots keep theirs."""
+        tensor = getattr(layer, name)
+        tensor.copy_(torch.where(take.view(1, 1, -1, 1), rows, tensor))
+
+
+IN_PLACE = SlotWrites()
+
+
 class StorageLayer(CacheLayerMixin):
     """Shared allocation logic: lazy allocation from the first `update`, on the tensors' own device and dtype.
 
@@ -178,6 +200,25 @@ class StorageLayer(CacheLayerMixin):
         super().__init__()
         self.cumulative_length = 0
         self.write_floor = NOTHING_WRITTEN
+
+    #: What a layer keeps about its last step rather than its tokens (what undoes it, what it returned): the step
+    #: journal saves it before each journaled write and puts it back when the step is undone (`steps.StepJournal`).
+    _step_fields: tuple[str, ...] = ()
+
+    def step_bookkeeping(self) -> tuple[Any, ...]:
+        """The values of `_step_fields`, for `restore_step_bookkeeping`."""
+        return tuple(getattr(self, name) for name in self._step_fields)
+
+    def restore_step_bookkeeping(self, saved: tuple[Any, ...]) -> None:
+        for name, value in zip(self._step_fields, saved):
+            setattr(self, name, value)
+
+    def key_positions(self) -> torch.Tensor:
+        """Absolute position of every key the last `update` returned, in the order returned (`-1`: empty slot):
+        time-ordered storage returns `[0, length)`. Column `j` of the layer's attention weights belongs to position
+        `key_positions()[j]` (see `hybrid_cache.attention_in_time_order`)."""
+        device = self.storage_tensors()[0].device if self.is_initialized else None
+        return torch.arange(int(self.cumulative_length), device=device)
 
     def check_fits(self, query_length: int) -> None:
         """Raise `CacheCapacityError` (changing nothing) if a step of `query_length` tokens cannot be stored. Asked of
@@ -513,15 +554,9 @@ def prepare_fixed_capacity_step(
 
 
 def check_fixed_capacity(layer: FixedCapacityLayer, query_length: int) -> int:
-    """The length after a step of `query_length` tokens, or `CacheCapacityError` when it exceeds `max_cache_len`."""
-    end = int(layer.cumulative_length) + query_length
-    if end > layer.max_cache_len:
-        raise CacheCapacityError(
-            f"The full-attention layers were allocated for max_cache_len={layer.max_cache_len} tokens, but "
-            f"{end} are needed. Nothing was written. Create the cache with a larger `max_cache_len` (prompt + "
-            f"max_new_tokens), or leave it unset for storage that grows."
-        )
-    return end
+    """The length after a step of `query_length` tokens, or `CacheCapacityError` when it exceeds `max_cache_len`
+    (`steps.check_capacity`)."""
+    return check_capacity(int(layer.cumulative_length), query_length, layer.max_cache_len)
 
 
 def resolve_crop_length(tokens_to_remove: int, length: int) -> int:

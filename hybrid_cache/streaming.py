@@ -21,20 +21,22 @@ Slot layout: position `p < S` lives in slot `p`; position `p >= S` in slot `S + 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from .errors import RollbackError
 from .mask_hook import RingLayout
 from .ring import UndoableStepLayer
-from .storage import resolve_crop_length
+from .slots import SlotRuns, advance_oldest, ring_runs, slot_positions, window_reaches
 
 __all__ = ["SinkWindowFullLayer"]
 
 
-class SinkWindowStepUndo(NamedTuple):
+@dataclasses.dataclass(eq=False)
+class SinkWindowStepUndo:
     length: int
     oldest: int
     held_keys: torch.Tensor | None  # the slots before the step (None: nothing was held)
@@ -58,6 +60,7 @@ class SinkWindowFullLayer(UndoableStepLayer[SinkWindowStepUndo]):
 
     is_sliding = False
     drops_tokens_by_design = True
+    _step_fields: tuple[str, ...] = ("_undo", "record_past", "_returned")
 
     def __init__(self, sink_tokens: int, window: int, rollback_margin: int = 0) -> None:
         super().__init__()
@@ -70,6 +73,7 @@ class SinkWindowFullLayer(UndoableStepLayer[SinkWindowStepUndo]):
         self._oldest = 0  # lowest position >= sink_tokens still held by the ring part
         self.record_past = False
         self._undo = None
+        self._returned: tuple[str, int, int] = ("ordered", 0, 0)  # the last step's kind, length and query length
 
     @property
     def ring_slots(self) -> int:
@@ -82,7 +86,6 @@ class SinkWindowFullLayer(UndoableStepLayer[SinkWindowStepUndo]):
     # --- allocation -----------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._allocate(key_states, value_states, self.max_slots)
-        self._slot_ids = torch.arange(self.ring_slots, device=self.device)
 
     # --- layout ---------------------------------------------------------------------------------------------------
     def _step_kind(self, query_length: int) -> str:
@@ -99,10 +102,10 @@ class SinkWindowFullLayer(UndoableStepLayer[SinkWindowStepUndo]):
     def _slot_positions(self, length: int, visible_from: int) -> torch.Tensor:
         """Absolute position of every slot once `length` tokens are written, `-1` where empty, stale or not visible
         (ring positions below `visible_from`)."""
-        sinks = torch.arange(self.sink_tokens, device=self._slot_ids.device)
+        sinks = torch.arange(self.sink_tokens, device=self.device)
         sinks = torch.where(sinks < length, sinks, -1)
         start = self.sink_tokens
-        ring = (length - 1) - torch.remainder((length - 1 - start) - self._slot_ids, self.ring_slots)
+        ring = slot_positions(length, self.ring_slots, first=start, device=self.device)
         valid = (ring >= max(start, self._oldest, visible_from)) & (ring < length)
         return torch.cat([sinks, torch.where(valid, ring, -1)])
 
@@ -120,11 +123,6 @@ class SinkWindowFullLayer(UndoableStepLayer[SinkWindowStepUndo]):
         new = torch.arange(length, length + query_length, device=held.device)
         return self.max_slots + query_length, RingLayout(torch.cat([held, new]))
 
-    def _slot(self, position: int) -> int:
-        if position < self.sink_tokens:
-            return position
-        return self.sink_tokens + (position - self.sink_tokens) % self.ring_slots
-
     # --- update ---------------------------------------------------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -134,9 +132,8 @@ class SinkWindowFullLayer(UndoableStepLayer[SinkWindowStepUndo]):
         self._prepare(key_states, value_states)
         length, query_length = self.cumulative_length, key_states.shape[-2]
         kind = self._step_kind(query_length)
-        if self._undo is not None and self.record_past:
-            self.record_past = False  # the recorded step was not rolled back: speculation is over (as in the rings)
-        self._undo = None
+        self._ends_recording()  # the recorded step was not rolled back: speculation is over (as in the rings)
+        self._returned = (kind, length, query_length)
         if kind == "ordered":
             end = length + query_length
             self.keys[:, :, length:end].copy_(key_states)
@@ -144,10 +141,8 @@ class SinkWindowFullLayer(UndoableStepLayer[SinkWindowStepUndo]):
             self._advance(query_length)
             return self.keys[:, :, :end], self.values[:, :, :end]
         if kind == "decode":
-            slot = self._slot(length)
-            self.keys[:, :, slot : slot + 1].copy_(key_states)
-            self.values[:, :, slot : slot + 1].copy_(value_states)
-            self._advance(1)
+            self._keep_overwritten(self._newest_runs(1), 1)
+            self._write_newest(key_states, value_states)
             return self.keys, self.values
         if kind == "fresh":
             returned_keys, returned_values = key_states, value_states
@@ -160,54 +155,66 @@ class SinkWindowFullLayer(UndoableStepLayer[SinkWindowStepUndo]):
         if self.record_past:
             # Speculative step (a prompt plus candidates, or candidates): keep what `crop` needs to undo it.
             self._undo = SinkWindowStepUndo(length, self._oldest, held_keys, held_values, key_states, value_states)
+        else:
+            self._keep_overwritten(self._newest_runs(query_length), query_length)
         self._write_newest(key_states, value_states)
         return returned_keys, returned_values
 
-    def _write_newest(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Write the new tokens that stay held: sink positions, then the last `ring_slots` ring positions."""
-        length, query_length = self.cumulative_length, key_states.shape[-2]
+    def key_positions(self) -> torch.Tensor:
+        """Absolute position of every key the last `update` returned, in the order returned (`-1`: an empty slot, or
+        one the step's query did not see)."""
+        kind, length, query_length = self._returned
+        device = self.keys.device if self.is_initialized else None
+        if kind == "ordered":
+            return torch.arange(length + query_length, device=device)
+        new = torch.arange(length, length + query_length, device=device)
+        if kind == "fresh":
+            return new
+        if kind == "decode":
+            return self._slot_positions(length + 1, length + 1 - self.window)
+        return torch.cat([self._slot_positions(length, length + 1 - self.window), new])
+
+    def _newest_runs(self, query_length: int) -> SlotRuns:
+        """The new tokens that stay held: sink positions, then the last `ring_slots` ring positions."""
+        length = self.cumulative_length
         sink_end = min(max(self.sink_tokens - length, 0), query_length)  # new tokens that are sinks
-        if sink_end:
-            self.keys[:, :, length : length + sink_end].copy_(key_states[:, :, :sink_end])
-            self.values[:, :, length : length + sink_end].copy_(value_states[:, :, :sink_end])
+        runs = [(length, sink_end, 0)] if sink_end else []
         first = max(sink_end, query_length - self.ring_slots)
-        position = length + first
-        while first < query_length:  # at most two contiguous pieces
-            slot = self._slot(position)
-            count = min(query_length - first, self.max_slots - slot)
-            self.keys[:, :, slot : slot + count].copy_(key_states[:, :, first : first + count])
-            self.values[:, :, slot : slot + count].copy_(value_states[:, :, first : first + count])
-            first, position = first + count, position + count
-        self._advance(query_length)
+        start = self.sink_tokens
+        for slot, count, offset in ring_runs(length + first - start, query_length - first, self.ring_slots):
+            runs.append((start + slot, count, first + offset))
+        return runs
 
     def _advance(self, query_length: int) -> None:
         self.cumulative_length += query_length
-        self._oldest = max(self._oldest, self.cumulative_length - self.ring_slots)
+        self._oldest = advance_oldest(self._oldest, self.cumulative_length, self.ring_slots)
 
     # --- protocol -------------------------------------------------------------------------------------------------
-    def _crop_plan(self, tokens_to_remove: int) -> tuple[int, bool]:
-        """`(new length, undo the last step?)` for `crop(tokens_to_remove)`, or raise `RollbackError` changing
-        nothing: exact when the window the next query sees is still held, or from the last recorded step."""
-        new_length = resolve_crop_length(tokens_to_remove, self.cumulative_length)
-        if self._oldest <= max(self.sink_tokens, new_length - self.window + 1):
-            return new_length, False
-        if self._undo is not None and self._undo.length <= new_length:
-            return new_length, True
-        raise RollbackError(
+    def _reaches(self, new_length: int, oldest: int) -> bool:
+        """Exact when the window the next query sees is still held."""
+        return window_reaches(new_length, oldest, self.window, first=self.sink_tokens)
+
+    def _recorded_end(self, undo: SinkWindowStepUndo) -> int:
+        return undo.length + undo.new_keys.shape[-2]
+
+    def _rollback_error(self, new_length: int) -> RollbackError:
+        return RollbackError(
             f"Cannot roll back to {new_length} tokens of a bounded full layer exactly: its window ({self.window} "
             f"tokens + margin {self.rollback_margin}) already overwrote tokens the next query needs. Create the cache "
             f"with `rollback_margin=N` for N >= {self.cumulative_length - new_length - 1}, or call "
             f"`cache.activate_past_recording()` before the speculative step."
         )
 
-    def _undo_step(self, undo: SinkWindowStepUndo, new_length: int) -> None:
+    def _undo_recorded_step(self, undo: SinkWindowStepUndo, new_length: int) -> None:
         if undo.held_keys is not None and undo.held_values is not None:  # both, or neither (a "fresh" step)
             self.keys.copy_(undo.held_keys)
             self.values.copy_(undo.held_values)
         self.cumulative_length, self._oldest = undo.length, undo.oldest
         kept = new_length - undo.length
-        if kept:
+        if kept > 0:
             self._write_newest(undo.new_keys[:, :, :kept], undo.new_values[:, :, :kept])
+        else:
+            self.cumulative_length = new_length
 
     # --- state (see `StorageLayer.meta_state`): the slots as they are, in slot order, with the two counters --------
     state_kind = "sink_window_full_attention"
@@ -233,10 +240,3 @@ class SinkWindowFullLayer(UndoableStepLayer[SinkWindowStepUndo]):
             and meta["slots"] == min(length, self.max_slots)
             and meta["capacity"] == self.max_slots
         )
-
-    def extra_nbytes(self) -> int:
-        """Counters plus what is kept to undo the last speculative step (while recording past)."""
-        undo = self._undo
-        kept = [] if undo is None else [t for t in undo[2:] if t is not None]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
-        return super().extra_nbytes() + sum(storages.values())

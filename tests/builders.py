@@ -17,9 +17,28 @@ import torch
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig
 
 from hybrid_cache import HybridRingCache
+from hybrid_cache.banded import banded_prefill
+from hybrid_cache.code_attention import CODE_ATTENTION
 from hybrid_cache.compat import ROLLBACK_SINCE, cache_kwargs, no_cache_forward_is_exact, rollback_supported
 
 VOCAB = 101
+
+# The attention parameter "banded": the model on `hybrid_cache_sdpa` with the banded prefill from 2-token steps, in
+# blocks of 3 query rows, key ranges aligned to 2 (conftest.py enters `banded_prefill(**BANDED_TEST_SETTINGS)` for a test whose `attn` is it),
+# so that the tiny models' schedules run through the banded path; oracles keep transformers' dense masks
+# (`reference_masks`).
+BANDED = "banded"
+BANDED_TEST_SETTINGS = {"min_query_length": 2, "block_size": 3, "key_alignment": 2}
+
+
+def attn_implementation(attn: str) -> str:
+    """The model's attention implementation for a test's `attn` parameter (`BANDED` -> `hybrid_cache_sdpa`)."""
+    return CODE_ATTENTION if attn == BANDED else attn
+
+
+def reference_masks():
+    """Within the block, `hybrid_cache_sdpa` builds transformers' dense masks (the oracles' path)."""
+    return banded_prefill(min_query_length=None)
 
 
 def tiny_gemma3(
@@ -48,7 +67,7 @@ def tiny_gemma3(
         max_position_embeddings=4096,
         final_logit_softcapping=softcap,
         layer_types=layer_types,
-        attn_implementation=attn,
+        attn_implementation=attn_implementation(attn),
         pad_token_id=0,
         bos_token_id=2,
         eos_token_id=1,
@@ -93,7 +112,7 @@ def tiny_gemma4(
         layer_types=layer_types,
         num_kv_shared_layers=shared,
         max_position_embeddings=4096,
-        attn_implementation=attn,
+        attn_implementation=attn_implementation(attn),
         pad_token_id=0,
         bos_token_id=2,
         eos_token_id=1,
@@ -142,8 +161,7 @@ def tiny_gemma3_multimodal(window: int = 4, attn: str = "sdpa", tokens_per_image
         boi_token_index=BOI_ID,
         eoi_token_index=EOI_ID,
     )
-    config._attn_implementation = attn
-    config.text_config._attn_implementation = attn
+    config._attn_implementation = config.text_config._attn_implementation = attn_implementation(attn)
     model = Gemma3ForConditionalGeneration(config).eval()
     model.tiny_tokens_per_image = tokens_per_image
     return model
@@ -180,8 +198,7 @@ def tiny_gemma4_multimodal(window: int = 4, attn: str = "sdpa", tokens_per_image
         boa_token_id=VOCAB - 6,
         eoa_token_index=VOCAB - 7,
     )
-    config._attn_implementation = attn
-    config.text_config._attn_implementation = attn
+    config._attn_implementation = config.text_config._attn_implementation = attn_implementation(attn)
     model = Gemma4ForConditionalGeneration(config).eval()
     model.tiny_tokens_per_image = tokens_per_image
     return model
@@ -229,10 +246,11 @@ def reference_cache_kwargs(model) -> dict:
 
 @torch.no_grad()
 def no_cache_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The oracle: one forward over the whole sequence, no cache, the model's native sliding-window mask. (Where the
-    release's forward without a cache is not the model, Gemma 4's KV sharing on 5.5.0 / 5.5.1, one forward with a
-    fresh DynamicCache: `hybrid_cache.compat.no_cache_forward_is_exact`.)"""
-    return model(input_ids=input_ids, attention_mask=attention_mask, **reference_cache_kwargs(model)).logits
+    """The oracle: one forward over the whole sequence, no cache, the model's native sliding-window mask (dense, also
+    on `hybrid_cache_sdpa`: `reference_masks`). (Where the release's forward without a cache is not the model, Gemma
+    4's KV sharing on 5.5.0 / 5.5.1, one forward with a fresh DynamicCache: `hybrid_cache.compat.no_cache_forward_is_exact`.)"""
+    with reference_masks():
+        return model(input_ids=input_ids, attention_mask=attention_mask, **reference_cache_kwargs(model)).logits
 
 
 @torch.no_grad()
@@ -276,6 +294,16 @@ def decode_step_mask(
         "float": torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min),
     }[kind]
     return mask, allowed
+
+
+def decode_record_bytes(cache: HybridRingCache) -> int:
+    """Bytes a wrapped ring keeps after a one-token step to undo it (the one slot it overwrote, `ring.SlotUndo`),
+    summed over the cache's rings: what `memory_report().extra_bytes` holds after a decode step besides counters."""
+    total = 0
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False) and getattr(layer, "is_initialized", False):
+            total += layer.batch_size * layer.num_heads * (layer.k_head_dim + layer.v_head_dim) * layer.dtype.itemsize
+    return total
 
 
 def tokens(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:

@@ -76,6 +76,8 @@ def test_every_error_has_one_base_and_keeps_its_builtin_base():
         "UnsupportedReleaseError": RuntimeError,
         "IncompleteStepError": RuntimeError,
         "PreparedMaskError": RuntimeError,
+        "ProgramFormatError": ValueError,
+        "BandedMaskError": RuntimeError,
     }
     assert set(errors.__all__) == set(builtin) | {"HybridCacheError"}
     for name, base in builtin.items():

@@ -8,8 +8,13 @@ without a rollback margin), and then drives what users do, in any order:
 - `crop` (rollback), beam `reorder_cache` (repeated rows included), `batch_repeat_interleave`, `batch_select_indices`;
 - `copy.deepcopy` (a branch that continues, the original left untouched), `save` + `load`, `checkpoint` + `restore`,
   `reset` (then a new prompt, of any batch size);
-- a forward that raises midway (a layer's `mlp.forward` patched to raise once, as an out-of-memory would), then
-  a retry;
+- a forward that raises midway (a layer's `mlp.forward` patched to raise once, as an out-of-memory would), on an
+  empty cache too, then a retry without `reset`;
+- a forward that raises after its last storing layer stored the step (the final norm or the output layer), then
+  `crop(-n)` of that step, whatever its length;
+- `activate_past_recording()`, then verification steps (a draft of several tokens, part of it cropped back), as
+  assisted decoding does, across `reset`, `restore` and failed forwards;
+- `key_positions(layer)` of every storing layer;
 - a saved file edited by one byte;
 - switching the attention implementation (`sdpa`, `eager`, `hybrid_cache_sdpa`);
 - a prepared 4D attention mask of the wrong width.
@@ -24,8 +29,11 @@ What is checked:
   thread: the two run the same arithmetic, so the tolerance is the exact one;
 - every refusal: the error is a `HybridCacheError` (or the documented `ValueError` of `restore` / `load`), and the
   cache's state (every tensor and counter of every layer) is exactly what it was before the call ("nothing written");
-- after a failed forward, the next step is exact, or refused with a `HybridCacheError` that leaves the cache usable
-  after `reset` (the fuzzer then resets);
+- after a failed forward, the cache reports the length before the step and the retry is exact (no
+  `IncompleteStepError`: every step that overwrites slots keeps what undoes it);
+- `crop(-n)` of the whole last step always succeeds, and so does a partial crop of a verification step while past
+  recording is on (it stays on through `reset`, `restore`, copies and failed forwards); every other crop is exact or
+  refused changing nothing;
 - an edited file is refused at load, or loads into a cache that continues exactly as the saved one.
 
 Budget: CI runs `FUZZ_EXAMPLES` sequences per model family (fixed seed: `derandomize=True`) of up to `FUZZ_STEPS`
@@ -35,6 +43,10 @@ rules each. The long mode is the same test with more sequences:
 sequence of rules that reproduces it (the first failure found; `report_multiple_bugs` is off to keep shrinking short).
 `HYBRID_CACHE_FUZZ_OFF=failed_forward,edited_file` leaves rules out and `HYBRID_CACHE_FUZZ_MODES=exact,int8` draws
 only those storage modes, to tell which rule or mode a failure needs.
+
+Planted regressions (`HYBRID_CACHE_FUZZ_PLANT=<name>`, `PLANTS` below): each puts back one bug the recoveries had,
+so that a run shows the fuzzer finds it; the number of sequences run before the failure is printed
+(`HYBRID_CACHE_FUZZ_PLANT=reset_keeps_assisted_check pytest -s tests/core/test_fuzz.py -k Gemma3`).
 """
 
 from __future__ import annotations
@@ -52,7 +64,7 @@ import torch
 from builders import TOLERANCE, VOCAB, no_cache_logits, one_torch_thread, tiny_gemma3, tiny_gemma4
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import (  # noqa: E402
     RuleBasedStateMachine,
@@ -63,7 +75,7 @@ from hypothesis.stateful import (  # noqa: E402
 )
 
 from hybrid_cache import HybridRingCache  # noqa: E402
-from hybrid_cache.compat import cache_kwargs  # noqa: E402
+from hybrid_cache.compat import cache_kwargs, rollback_supported  # noqa: E402
 from hybrid_cache.errors import (  # noqa: E402
     CacheCapacityError,
     HybridCacheError,
@@ -179,7 +191,8 @@ def mlp_modules(model) -> list[torch.nn.Module]:
 @dataclass
 class Op:
     """One state-defining operation, replayed into the shadow cache: `("step", ids, mask, attention)`, `("crop", n)`,
-    `("reorder", index)`, `("repeat", n)`, `("select", index)`."""
+    `("reorder", index)`, `("repeat", n)`, `("select", index)`, `("record",)` (past recording on, before a
+    verification step)."""
 
     kind: str
     args: tuple = ()
@@ -198,8 +211,14 @@ class CacheMachine(RuleBasedStateMachine):
 
     family = "gemma3"
 
+    sequences = 0  # sequences started in this process (printed with a planted regression: `PLANTS`)
+
     def __init__(self) -> None:
         super().__init__()
+        CacheMachine.sequences += 1
+        self.speculating = False  # past recording was turned on (`activate_past_recording`): verification steps
+        # The last step was a multi-token one while recording, not cropped since: the next update ends recording.
+        self.recorded_step_pending = False
         self._threads = one_torch_thread()
         self._threads.__enter__()
         self._grad = torch.no_grad()
@@ -258,12 +277,24 @@ class CacheMachine(RuleBasedStateMachine):
         return self.model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True).logits
 
     def replay_shadow(self) -> None:
-        """Rebuild the shadow from scratch: a fresh cache of the same mode given every logged operation."""
+        """Rebuild the shadow from scratch: a fresh cache of the same mode given every logged operation, recording
+        past as the cache now does (`sync_shadow_recording`)."""
         if self.shadow is None:
             return
         self.shadow = HybridRingCache(self.model.config, **self.options)
         for op in self.log:
             self.apply_to_shadow(op)
+        self.sync_shadow_recording()
+
+    def sync_shadow_recording(self) -> None:
+        """Past recording is a mode of the cache, not of its tokens (restore, reset and copies keep it; a loaded
+        cache starts without it): the shadow, rebuilt from the log of operations, takes the cache's mode."""
+        if self.shadow is None:
+            return
+        if any(getattr(layer, "record_past", False) for layer in self.cache.layers):
+            self.shadow.activate_past_recording()
+        else:
+            self.shadow.deactivate_past_recording()
 
     def apply_to_shadow(self, op: Op) -> None:
         if self.shadow is None:
@@ -278,6 +309,8 @@ class CacheMachine(RuleBasedStateMachine):
             self.shadow.batch_repeat_interleave(op.args[0])
         elif op.kind == "select":
             self.shadow.batch_select_indices(op.args[0])
+        elif op.kind == "record":
+            self.shadow.activate_past_recording()
 
     def record(self, op: Op) -> None:
         self.log.append(op)
@@ -305,7 +338,10 @@ class CacheMachine(RuleBasedStateMachine):
         seed=st.integers(0, 2**16),
     )
     def step(self, count, batch, pad, pass_mask, seed):
-        """A prompt (a left-padded batch when the cache is empty), a chunk around the window, or a decode step."""
+        """A prompt (a left-padded batch when the cache is empty), a chunk around the window, or a decode step. It
+        ends speculation: a recorded step followed by another update turns past recording off (`activate_recording`
+        starts it again)."""
+        self.speculating = self.speculating and not self.recorded_step_pending
         rng = random.Random(seed)
         window = self.window
         count = {"one": 1, "below": max(window - 1, 1), "window": window, "above": window + 1, "long": 2 * window + 1}[
@@ -335,15 +371,9 @@ class CacheMachine(RuleBasedStateMachine):
                 self.forward(self.cache, new_ids, mask, attention)
             assert_nothing_written(before, self.cache, "a step beyond max_cache_len")
             return
-        try:
-            got = self.forward(self.cache, new_ids, mask, attention)
-        except HybridCacheError:
-            if not recovering:
-                raise
-            # After a failed forward the cache may refuse to continue (it says how to recover): recover by reset.
-            self.do_reset()
-            return
+        got = self.forward(self.cache, new_ids, mask, attention)  # after a failed forward too: it was undone
         op = Op("step", (new_ids, mask, attention or self.attention()))
+        self.recorded_step_pending = self.speculating and new_ids.shape[1] > 1
         if self.shadow is not None:
             self.apply_to_shadow(op)
             expected = self.shadow_logits
@@ -366,6 +396,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert_nothing_written(before, self.cache, f"crop(-{tokens})")
             return
         op = Op("crop", (tokens,))
+        self.recorded_step_pending = False  # a crop resolves the last step
         self.apply_to_shadow(op)
         self.record(op)
         self.ids, self.mask = self.ids[:, :-tokens], self.mask[:, :-tokens]
@@ -393,6 +424,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.batch_changed(Op("select", (index,)), index)
 
     def batch_changed(self, op: Op, rows: torch.Tensor) -> None:
+        self.recorded_step_pending = False  # a batch change drops what undoes the last step
         self.apply_to_shadow(op)
         self.record(op)
         self.ids, self.mask = self.ids[rows], self.mask[rows]
@@ -402,8 +434,11 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(keep_copy=st.booleans(), seed=st.integers(0, 2**16))
     def deepcopy(self, keep_copy, seed):
         """A deep copy continues as the original would; the original is left untouched by it."""
+        if not self.step_fits(1):  # a full fixed-capacity cache: the copy's step would be refused
+            return
         original, before = self.cache, cache_state(self.cache)
         self.cache = copy.deepcopy(original)
+        self.speculating = self.speculating and not self.recorded_step_pending  # the step below (see `step`)
         self.run_step(
             self.new_tokens(random.Random(seed), self.batch, 1), torch.ones(self.batch, 1, dtype=torch.long), True
         )
@@ -419,6 +454,8 @@ class CacheMachine(RuleBasedStateMachine):
     def save_and_load(self):
         self.cache.save(self.file)
         self.cache = HybridRingCache.load(self.file, self.model.config)
+        self.speculating = False  # a loaded cache is a new one: past recording off
+        self.sync_shadow_recording()
         assert self.cache.get_seq_length() == self.length
 
     @precondition(lambda self: 0 < self.length < MAX_LENGTH)
@@ -434,6 +471,8 @@ class CacheMachine(RuleBasedStateMachine):
         damage the load missed. `edit`: `header_digit`, one digit of the JSON header (a counter, a setting, a shape, an
         offset, a checksum) changed to the next digit, so the header stays valid JSON; `header` / `anywhere`: any
         byte of the header / file set to `byte` (`None`: its lowest bit flipped)."""
+        if not self.step_fits(1):  # a full fixed-capacity cache: the step that checks the loaded file would not fit
+            return
         self.cache.save(self.file)
         raw = bytearray(self.file.read_bytes())
         header = int.from_bytes(raw[:8], "little") + 8
@@ -470,8 +509,10 @@ class CacheMachine(RuleBasedStateMachine):
         self.saved_checkpoint = Checkpoint(self.cache.checkpoint(), self.ids, self.mask, list(self.log))
 
     @precondition(lambda self: self.saved_checkpoint is not None)
-    @rule()
-    def restore(self):
+    @rule(speculate=st.booleans(), draft=st.integers(2, 6), kept=st.integers(0, 5), seed=st.integers(0, 2**16))
+    def restore(self, speculate, draft, kept, seed):
+        """`restore(checkpoint)`; while speculating, optionally the verification step a speculative decoder runs next
+        (restore keeps past recording on: its crop must be exact)."""
         saved = self.saved_checkpoint
         before = cache_state(self.cache)
         try:
@@ -481,28 +522,37 @@ class CacheMachine(RuleBasedStateMachine):
             assert_nothing_written(before, self.cache, "restore")
             return
         self.ids, self.mask, self.log = saved.ids, saved.mask, list(saved.log)
+        self.recorded_step_pending = False  # a restored state has no last step to undo
         self.replay_shadow()
         assert self.cache.get_seq_length() == self.length
+        if speculate and self.speculating and 0 < self.length < MAX_LENGTH - 1:
+            self.verification_step(draft, kept, seed)
 
     @rule()
     def reset(self):
         self.do_reset()
 
     def do_reset(self) -> None:
+        self.recorded_step_pending = False
         self.cache.reset()
         self.ids, self.mask = self.ids[:1, :0], self.mask[:1, :0]
         self.log.clear()
         self.replay_shadow()  # a fresh cache of the mode: what the reset one must behave as
 
     # --- failures, attention, prepared masks -------------------------------------------------------------------------
-    @precondition(lambda self: 0 < self.length < MAX_LENGTH and not self.pending_failure_check)
-    @rule(layer=st.integers(0, 4), count=st.sampled_from([1, 2, 5]), seed=st.integers(0, 2**16))
+    def new_step_ids(self, seed: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`count` new tokens for every row, and the 2D mask of the whole sequence after them."""
+        new_ids = self.new_tokens(random.Random(seed), self.batch, count)
+        return new_ids, torch.cat([self.mask, torch.ones_like(new_ids)], 1)
+
+    @precondition(lambda self: self.length < MAX_LENGTH and not self.pending_failure_check)
+    @rule(layer=st.integers(0, 4), count=st.sampled_from([1, 2, 5, 9]), seed=st.integers(0, 2**16))
     def failed_forward(self, layer, count, seed):
-        """A forward that raises in layer `layer`'s MLP (after the earlier layers stored the step); the next step must
-        be exact (the failed one undone), or refused with a `HybridCacheError` saying how to recover."""
+        """A forward that raises in layer `layer`'s MLP (after the earlier layers stored the step; on an empty cache
+        too): the cache reports the length before it, and the next step (the retry) must be exact."""
         count = min(count, MAX_LENGTH - self.length)
         # A layer before the last storing one: a failure after the last storing layer stored the step keeps it, the
-        # documented limit no cache can see (docs/api.md; tests/core/test_steps.py tests it and its crop).
+        # documented limit no cache can see (rule `failure_after_the_last_storing_layer`).
         last_storing = max(i for i, spec in enumerate(self.cache.specs) if spec.stores)
         if last_storing == 0:
             return
@@ -513,20 +563,89 @@ class CacheMachine(RuleBasedStateMachine):
             raise InjectedFailure("injected failure in an MLP")
 
         module.forward = raise_once
-        new_ids = self.new_tokens(random.Random(seed), self.batch, count)
-        mask = torch.cat([self.mask, torch.ones_like(new_ids)], 1)
+        new_ids, mask = self.new_step_ids(seed, count)
         try:
             with pytest.raises((InjectedFailure, CacheCapacityError)):
                 self.forward(self.cache, new_ids, mask)
         finally:
             module.__dict__.pop("forward", None)
-        try:
-            self.cache.memory_report()  # settles: the failed step undone, or the cache says it cannot continue
-        except IncompleteStepError as error:  # a wrapped ring overwrote what undoing a multi-token step needs
-            assert "cache.reset()" in str(error) and count > 1, error
-            self.do_reset()  # the recovery the error names
-            return
+        self.cache.memory_report()  # settles: the failed step is undone (never `IncompleteStepError`)
+        assert self.cache.get_seq_length() == self.length
         self.pending_failure_check = True
+
+    @precondition(lambda self: self.length < MAX_LENGTH and not self.pending_failure_check)
+    @rule(
+        count=st.sampled_from([1, 1, 2, 5, 9]), where=st.sampled_from(["norm", "lm_head"]), seed=st.integers(0, 2**16)
+    )
+    def failure_after_the_last_storing_layer(self, count, where, seed):
+        """A forward that raises after its last storing layer stored the step (the final norm, the output layer: an
+        out-of-memory in the logits) leaves the step stored, as every cache does; `crop(-count)` takes it back
+        exactly, whatever its length, and the next step continues as if it had never run."""
+        count = min(count, MAX_LENGTH - self.length)
+        if not self.step_fits(count):
+            return
+        module = self.model.model.norm if where == "norm" else self.model.lm_head
+
+        def raise_once(*args, **kwargs):
+            del module.forward
+            raise InjectedFailure(f"injected failure in {where}")
+
+        module.forward = raise_once
+        new_ids, mask = self.new_step_ids(seed, count)
+        try:
+            with pytest.raises(InjectedFailure):
+                self.forward(self.cache, new_ids, mask)
+        finally:
+            module.__dict__.pop("forward", None)
+        assert self.cache.get_seq_length() == self.length + count  # complete: kept, as in DynamicCache
+        self.cache.crop(-count)  # never refused: the last step's record undoes it
+        self.recorded_step_pending = False
+        assert self.cache.get_seq_length() == self.length
+
+    # --- speculative decoding ------------------------------------------------------------------------------------
+    @precondition(lambda self: rollback_supported())
+    @rule()
+    def activate_recording(self):
+        """`activate_past_recording()`, as assisted / prompt-lookup decoding calls it once per `generate`."""
+        self.cache.activate_past_recording()
+        self.speculating, self.recorded_step_pending = True, False
+        self.record(Op("record"))  # the shadow records too: its crops must be the same
+        self.apply_to_shadow(Op("record"))
+
+    @precondition(
+        lambda self: self.speculating and not self.recorded_step_pending and 0 < self.length < MAX_LENGTH - 1
+    )
+    @rule(draft=st.integers(2, 6), kept=st.integers(0, 5), seed=st.integers(0, 2**16))
+    def verification_step(self, draft, kept, seed):
+        """A verification step of `draft` tokens, then `crop` of the rejected ones (all but `kept`): always exact while
+        past recording is on (assisted decoding), which `reset`, `restore`, copies and failed forwards keep on."""
+        draft = min(draft, MAX_LENGTH - self.length)
+        kept = min(kept, draft - 1)
+        if not self.step_fits(draft):
+            return
+        self.record(Op("record"))
+        self.apply_to_shadow(Op("record"))
+        new_ids, _ = self.new_step_ids(seed, draft)
+        self.run_step(new_ids, torch.ones_like(new_ids), True)
+        rejected = draft - kept
+        self.cache.crop(-rejected)  # never refused while recording
+        self.recorded_step_pending = False
+        op = Op("crop", (rejected,))
+        self.apply_to_shadow(op)
+        self.record(op)
+        self.ids, self.mask = self.ids[:, :-rejected], self.mask[:, :-rejected]
+        assert self.cache.get_seq_length() == self.length
+
+    @precondition(lambda self: self.length > 0)
+    @rule()
+    def key_positions(self):
+        """`key_positions(layer)` answers for every storing layer (compressed and bounded ones too): one position per
+        key the last step returned, each held position once."""
+        for index, spec in enumerate(self.cache.specs):
+            if spec.stores:
+                positions = self.cache.key_positions(index)
+                held = positions[positions >= 0]
+                assert positions.ndim == 1 and held.unique().numel() == held.numel(), (index, positions)
 
     @rule(attention=st.sampled_from(ATTENTIONS))
     def switch_attention(self, attention):
@@ -559,8 +678,101 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.cache.get_seq_length() == self.length, (self.cache.get_seq_length(), self.length)
 
 
+# --- planted regressions ------------------------------------------------------------------------------------------
+def _plant_reset_keeps_assisted_check() -> None:
+    """Fix 1 undone: `reset()` leaves the assisted-start check of `activate_past_recording` behind."""
+    from hybrid_cache.steps import StepAdmission
+
+    original = StepAdmission.forget
+
+    def forget(self, held_tokens=None):
+        pending = self.assisted_start
+        original(self, held_tokens)
+        self.assisted_start = self.assisted_start or pending
+
+    StepAdmission.forget = forget
+
+
+def _plant_restore_stops_recording() -> None:
+    """Fix 2 undone: restoring a layer's state (`restore`, through `reset`) turns past recording off."""
+    from hybrid_cache.ring import UndoableStepLayer
+
+    original = UndoableStepLayer.reset
+
+    def reset(self):
+        original(self)
+        self.record_past = False
+
+    UndoableStepLayer.reset = reset
+
+
+def _plant_no_key_positions_for_compressed_layers() -> None:
+    """Fix 3 undone: compressed full layers have no `key_positions`."""
+    from hybrid_cache.quantized import QuantizedFullLayer
+
+    def key_positions(self):
+        raise AttributeError("'QuantizedFullLayer' object has no attribute 'key_positions'")
+
+    QuantizedFullLayer.key_positions = key_positions
+
+
+def _plant_no_undo_into_an_empty_layer() -> None:
+    """Fix 4 undone: a step into an empty ring keeps no record (a prompt longer than the window that failed midway
+    cannot be undone)."""
+    from hybrid_cache.ring import UndoableStepLayer
+
+    original = UndoableStepLayer._keep_overwritten
+
+    def keep(self, runs, query_length):
+        original(self, runs, query_length)
+        if self._undo.length == 0:
+            self._undo = None
+
+    UndoableStepLayer._keep_overwritten = keep
+
+
+def _plant_no_undo_of_multi_token_steps() -> None:
+    """Fix 5 undone: a multi-token step that overwrote held slots keeps no record (`crop(-n)` of it refused)."""
+    from hybrid_cache.ring import UndoableStepLayer
+
+    original = UndoableStepLayer._keep_overwritten
+
+    def keep(self, runs, query_length):
+        original(self, runs, query_length)
+        if query_length > 1 and self._undo.length > 0:
+            self._undo = None
+
+    UndoableStepLayer._keep_overwritten = keep
+
+
+PLANTS = {
+    "reset_keeps_assisted_check": _plant_reset_keeps_assisted_check,
+    "restore_stops_recording": _plant_restore_stops_recording,
+    "no_key_positions_for_compressed_layers": _plant_no_key_positions_for_compressed_layers,
+    "no_undo_into_an_empty_layer": _plant_no_undo_into_an_empty_layer,
+    "no_undo_of_multi_token_steps": _plant_no_undo_of_multi_token_steps,
+}
+PLANT = os.environ.get("HYBRID_CACHE_FUZZ_PLANT")
+if PLANT:
+    if PLANT not in PLANTS:
+        raise ValueError(f"HYBRID_CACHE_FUZZ_PLANT={PLANT!r} is none of {sorted(PLANTS)}")
+    PLANTS[PLANT]()
+
+
+@pytest.fixture(autouse=True)
+def _report_sequences():
+    """With a planted regression: how many sequences ran until the fuzzer failed (or passed without finding it)."""
+    CacheMachine.sequences = 0
+    yield
+    if PLANT:
+        print(f"\n[fuzz] planted {PLANT}: {CacheMachine.sequences} sequences run")
+
+
 def _settings(examples: int) -> settings:
+    # With a planted regression, no shrinking: the sequences counted are those run until the first failure.
+    phases = (Phase.explicit, Phase.generate) if PLANT else tuple(Phase)
     return settings(
+        phases=phases,
         max_examples=examples,
         stateful_step_count=FUZZ_STEPS,
         deadline=None,

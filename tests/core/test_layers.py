@@ -250,7 +250,9 @@ class TestRollback:
     @pytest.mark.parametrize("record", [False, True], ids=["margin-only", "recording"])
     def test_random_schedule_with_rollbacks_matches_reference(self, record):
         """Property test: random steps and rollbacks; every query's whole window is returned, and a rollback raises
-        exactly when neither the margin nor (while recording) the last step's saved copy can make it exact."""
+        exactly when neither the margin, nor the slots the last step overwrote (kept for every step that overwrites
+        held slots: back to its start or before, within the margin it started with), nor (while recording) the last
+        step's saved window (any part of the step, or before it within that margin) can make it exact."""
         rng = random.Random(0)
         for trial in range(200):
             window, margin = rng.randint(1, 6), rng.randint(0, 4)
@@ -259,34 +261,45 @@ class TestRollback:
                 layer.activate_past_recording()
             history: list[int] = []  # reference: every token position currently in the sequence
             recording = record
-            kept_step = None  # start of the last recorded multi-token step after the wrap, while its window is kept
+            kept_step = (
+                None  # (start, oldest before) of the last recorded step after the wrap, while its window is kept
+            )
+            last_step = None  # (start, oldest before it) of the last step that overwrote held slots
             for _ in range(25):
                 if history and rng.random() < 0.3:
                     undo = min(rng.randint(1, 2 * window + 2), len(history))
                     new_length = len(history) - undo
                     by_margin = layer._oldest <= max(0, new_length - window + 1)
-                    by_undo = kept_step is not None and new_length >= kept_step
+                    by_undo = kept_step is not None and (
+                        new_length >= kept_step[0] or kept_step[1] <= max(0, new_length - window + 1)
+                    )
+                    by_record = last_step is not None and new_length <= last_step[0]
+                    by_record = by_record and last_step[1] <= max(0, new_length - window + 1)
                     state = (layer.cumulative_length, layer._oldest, held(layer))
                     try:
                         layer.crop(-undo)
                     except RollbackError:
-                        assert not (by_margin or by_undo), f"trial {trial}: legal rollback refused"
+                        assert not (by_margin or by_undo or by_record), f"trial {trial}: legal rollback refused"
                         assert (layer.cumulative_length, layer._oldest, held(layer)) == state, "refused crop changed"
                         continue
-                    assert by_margin or by_undo, f"trial {trial}: rollback accepted but not exact"
+                    assert by_margin or by_undo or by_record, f"trial {trial}: rollback accepted but not exact"
                     del history[-undo:]
-                    kept_step = None  # any crop resolves the speculative step and releases its window
+                    kept_step = last_step = None  # any crop resolves the last step and releases its record
                     assert layer.extra_nbytes() == 0
                     continue
                 count = rng.choice([1, 1, 1, 2, window, window + 1, 2 * window + 1])
                 start = len(history)
                 if kept_step is not None:  # a recorded step was not rolled back: speculation is over
                     recording = False
-                kind = layer._step_kind(count)
+                kind, oldest = layer._step_kind(count), layer._oldest
                 returned, positions = step(layer, start, count)
-                kept_step = start if recording and kind == "window" else None
+                kept_step = (start, oldest) if recording and kind == "window" else None
+                # A step that may overwrite held slots keeps them (nothing when the ring was empty: no bytes).
+                recorded = kind != "ordered" and kept_step is None
+                last_step = (start, oldest) if recorded else None
                 assert layer.record_past == recording
-                assert (layer.extra_nbytes() > 0) == (kept_step is not None), "kept window not counted"
+                kept_bytes = kept_step is not None or (recorded and start > 0)
+                assert (layer.extra_nbytes() > 0) == kept_bytes, "kept record not counted"
                 history.extend(range(start, start + count))
                 present = {p for p in positions if p >= 0}
                 for query in range(start, start + count):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import MODEL_BUILDERS, VOCAB, chunked_logits, tiny_gemma3
+from builders import MODEL_BUILDERS, VOCAB, chunked_logits, decode_record_bytes, tiny_gemma3
 
 from hybrid_cache import HybridRingCache
 
@@ -36,7 +36,9 @@ def test_memory_after_twenty_windows(model_name):
         else:
             assert tokens <= slots <= 2 * tokens
         allocated += storage_bytes(layer.keys) + storage_bytes(layer.values)
+        allocated += sum(storage_bytes(t) for t in getattr(layer, "undo_tensors", list)())  # the last step's slot
     assert report.total_bytes == allocated
+    assert report.extra_bytes == decode_record_bytes(cache)  # one slot per ring: what undoes the last decode step
     assert report.bytes_by_type.get("shared", 0) == 0
     assert report.total_bytes < report.full_cache_bytes
     assert "sliding_attention" in str(report)

@@ -3,7 +3,8 @@ always present, images (bidirectional blocks) anywhere, the rings wrapped or not
 
 Oracles: the no-cache forward (fp32, 1e-4) for logits, `DynamicCache` for generated tokens, and `DynamicCache` with
 the same chunks where a chunk boundary falls inside an image block (no cache can show a query the keys of a later
-chunk). Every scenario runs on both model families and both `sdpa` and `eager`.
+chunk). Every scenario runs on both model families and on `sdpa`, `eager` and `banded` (`hybrid_cache_sdpa` with the
+banded prefill from 2-token steps: builders.BANDED; its oracles keep transformers' dense masks).
 
 Token types follow the processors: `token_type_ids` (Gemma 3) / `mm_token_type_ids` (Gemma 4), 1 on image
 placeholder tokens, passed from position 0 (transformers reads them by absolute position: `generate` passes them up
@@ -18,12 +19,14 @@ import random
 import pytest
 import torch
 from builders import (
+    BANDED,
     BOI_ID,
     EOI_ID,
     IMAGE_ID,
     TEXT_IDS,
     random_images,
     reference_cache_kwargs,
+    reference_masks,
     tiny_gemma3_multimodal,
     tiny_gemma4_multimodal,
 )
@@ -49,7 +52,7 @@ def family(request) -> str:
     return request.param
 
 
-@pytest.fixture(params=["sdpa", "eager"])
+@pytest.fixture(params=["sdpa", "eager", BANDED])
 def attn(request) -> str:
     return request.param
 
@@ -103,6 +106,7 @@ class Scene:
         return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=pooled)}}
 
     @torch.no_grad()
+    @reference_masks()
     def no_cache_logits(self) -> torch.Tensor:
         return self.model(
             input_ids=self.ids,
@@ -174,7 +178,8 @@ def dynamic_or_refused(dynamic, ring):
     which no sliding-window cache's keys match once it holds more than the window: DynamicCache fails inside
     attention with a tensor-shape error; 5.5 and 5.18+ build them per layer type."""
     try:
-        expected = dynamic()
+        with reference_masks():  # the oracle on transformers' dense masks (the banded path is what is tested)
+            expected = dynamic()
     except RuntimeError as error:
         if "must match the size" not in str(error):
             raise
@@ -398,14 +403,16 @@ def test_generate_with_images_multi_turn(family, attn):
     with torch.no_grad():
         for chunked in (False, True):
             ring = chat(HybridRingCache(model.config), chunked)
-            dynamic = chat(DynamicCache(config=model.config), chunked)
+            with reference_masks():
+                dynamic = chat(DynamicCache(config=model.config), chunked)
             for turn, (r, d) in enumerate(zip(ring, dynamic)):
                 assert torch.equal(r.sequences, d.sequences), f"turn {turn} chunked={chunked}: tokens differ"
                 difference = (torch.stack(r.logits) - torch.stack(d.logits)).abs().max().item()
                 assert difference <= TOLERANCE, f"turn {turn} chunked={chunked}: logits {difference:.3g}"
-        no_cache = chat(None, chunked=False)
+        with reference_masks():
+            no_cache = chat(None, chunked=False)
+            dynamic = chat(DynamicCache(config=model.config), chunked=False)
         ring = chat(HybridRingCache(model.config), chunked=False)
-        dynamic = chat(DynamicCache(config=model.config), chunked=False)
         for turn, (r, n, d) in enumerate(zip(ring, no_cache, dynamic)):
             if (torch.stack(d.logits) - torch.stack(n.logits)).abs().max().item() > TOLERANCE:
                 continue  # transformers' own cache is off the no-cache run here (5.18's second image turn): the

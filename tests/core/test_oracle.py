@@ -2,8 +2,8 @@
 
 Property style: seeded random windows, prompt lengths (up to 6 x window), left paddings (longer than the window too),
 chunk schedules (1 .. 3 x window), greedy decode across many wraps and a continuation after the generation, on tiny
-random Gemma 3 and Gemma 4 models (KV-shared layers, different head sizes and KV heads per layer type), for both
-`sdpa` and `eager`.
+random Gemma 3 and Gemma 4 models (KV-shared layers, different head sizes and KV heads per layer type), for `sdpa`,
+`eager` and `banded` (`hybrid_cache_sdpa` with the banded prefill from 2-token steps: builders.BANDED).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 from builders import (
+    BANDED,
     MODEL_BUILDERS,
     VOCAB,
     assert_matches_oracle,
@@ -32,7 +33,7 @@ from hybrid_cache.compat import cache_kwargs
 ORACLE_SEEDS = int(os.environ.get("HYBRID_CACHE_ORACLE_SEEDS", "25"))
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", BANDED])
 @pytest.mark.parametrize("seed", range(ORACLE_SEEDS), ids=lambda s: f"seed{s}")
 def test_random_schedules_match_no_cache(model_name, attn, seed):
     rng = random.Random(f"{model_name}-{attn}-{seed}")
@@ -49,7 +50,7 @@ def test_random_schedules_match_no_cache(model_name, attn, seed):
     assert_matches_oracle(got, no_cache_logits(model, input_ids, attention_mask), attention_mask, label)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", BANDED])
 def test_decode_many_wraps_then_continue(model_name, attn):
     """Prompt > window, 5 windows of greedy decode, then a new multi-token user turn and more decode, one cache."""
     window = 4

@@ -6,7 +6,7 @@ import gc
 import types
 
 import torch
-from builders import MODEL_BUILDERS, needs_exact_rollback, tokens
+from builders import MODEL_BUILDERS, decode_record_bytes, needs_exact_rollback, tokens
 from transformers import DynamicCache
 from transformers.configuration_utils import PreTrainedConfig
 
@@ -46,18 +46,19 @@ def test_prompt_lookup_leaves_nothing_behind(model_name):
             **kwargs,
         )
         assert reachable_tensor_bytes(cache) == cache.memory_report().total_bytes
-        assert cache.memory_report().extra_bytes == 0, "an undo copy survived generate"
+        # At most what undoes a decode step (one slot per ring; nothing after a final crop), no window copy.
+        assert cache.memory_report().extra_bytes <= decode_record_bytes(cache), "an undo copy survived generate"
         # A long plain forward right after: whatever it keeps is counted, and released by the next step.
         turn = torch.cat([out, tokens(40, seed=2)], 1)
         model(input_ids=turn[:, out.shape[1] :], **cache_kwargs(cache))
         assert reachable_tensor_bytes(cache) == cache.memory_report().total_bytes
         model(input_ids=tokens(1, seed=3), **cache_kwargs(cache))
         report = cache.memory_report()
-        assert report.extra_bytes == 0 and reachable_tensor_bytes(cache) == report.total_bytes
+        assert report.extra_bytes == decode_record_bytes(cache) and reachable_tensor_bytes(cache) == report.total_bytes
         # A new generate call on the same cache starts without recording: its prefill keeps nothing.
         turn = torch.cat([turn, tokens(1, seed=3), tokens(30, seed=4)], 1)
         model.generate(input_ids=turn, attention_mask=torch.ones_like(turn), **cache_kwargs(cache), **kwargs)
-        assert cache.memory_report().extra_bytes == 0
+        assert cache.memory_report().extra_bytes == decode_record_bytes(cache)
         assert reachable_tensor_bytes(cache) == cache.memory_report().total_bytes
 
 

@@ -109,10 +109,26 @@ def test_every_entry_point_sees_the_undone_step():
             assert (got - expected).abs().max() < TOLERANCE, use
 
 
-def test_a_multi_token_step_that_overwrote_the_ring_cannot_be_undone_and_says_how_to_recover():
-    """A 3-token step on a wrapped ring of 4 slots overwrote 2 tokens the retry would need: the next call raises
-    `IncompleteStepError` naming reset / restore / load, on every use, until one of them replaces the state; then
-    the cache continues exactly."""
+def test_a_multi_token_step_that_overwrote_the_ring_is_undone_from_its_record():
+    """A 3-token step on a wrapped ring of 4 slots overwrote 2 tokens the retry needs: each ring kept the slots it
+    overwrote (`ring.SlotUndo`), so the failed step is undone exactly and the retry continues as if it never ran."""
+    model = tiny_gemma3(window=4)
+    ids = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(1))
+    cache = HybridRingCache(model.config)
+    with torch.no_grad():
+        forward(model, cache, ids[:, :8])
+        with pytest.raises(RuntimeError), failing(decoder_layers(model)[3].mlp, RuntimeError("boom")):
+            forward(model, cache, ids[:, 8:11])
+        assert cache.get_seq_length() == 8
+        got = forward(model, cache, ids[:, 8:13])
+        expected = no_cache_logits(model, ids)[:, 8:13]
+    assert (got - expected).abs().max() < TOLERANCE
+
+
+def test_a_step_that_cannot_be_undone_says_how_to_recover():
+    """The guard behind the records: where a layer that stored a failed step cannot take it back (here its record is
+    discarded by hand, as no eager step does), the next call raises `IncompleteStepError` naming reset / restore /
+    load, on every use, until one of them replaces the state; then the cache continues exactly."""
     model = tiny_gemma3(window=4)
     ids = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(1))
     cache = HybridRingCache(model.config)
@@ -121,6 +137,7 @@ def test_a_multi_token_step_that_overwrote_the_ring_cannot_be_undone_and_says_ho
         checkpoint = cache.checkpoint()
         with pytest.raises(RuntimeError), failing(decoder_layers(model)[3].mlp, RuntimeError("boom")):
             forward(model, cache, ids[:, 8:11])
+        cache.layers[0]._undo = None  # white-box: no record of the step in the first ring
         for _ in range(2):
             with pytest.raises(IncompleteStepError, match=r"cache\.reset\(\).*cache\.restore\(checkpoint\)"):
                 forward(model, cache, ids[:, 8:11])
@@ -145,7 +162,7 @@ def test_a_multi_token_step_is_undone_while_past_recording_keeps_its_window():
         except HybridCacheError:
             pytest.skip("this transformers release cannot roll back exactly (compat.ROLLBACK_SINCE)")
         # one token first: before transformers 5.24 a multi-token first step after activation on a held cache is
-        # refused (compat.check_assisted_step_continues)
+        # refused (steps.check_assisted_start)
         forward(model, cache, ids[:, 8:9])
         with pytest.raises(RuntimeError), failing(decoder_layers(model)[3].mlp, RuntimeError("boom")):
             forward(model, cache, ids[:, 9:12])

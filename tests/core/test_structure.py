@@ -14,6 +14,7 @@ PACKAGE = Path(hybrid_cache.__file__).parent
 # The core: the cache and everything it needs (the tools and metrics/ build on it).
 CORE_MODULES = (
     "attention_maps",
+    "banded",
     "cache",
     "checkpoints",
     "code_attention",
@@ -27,6 +28,7 @@ CORE_MODULES = (
     "mask_hook",
     "memory",
     "options",
+    "prefill_steps",
     "quantized",
     "quantizer",
     "ring",
