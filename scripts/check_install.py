@@ -1,7 +1,7 @@
 """What ``scripts/setup.sh`` asks the interpreter it installs into (standard library only: any Python >= 3.10 runs it).
 
 ``python scripts/check_install.py``: exit 0 when this checkout is already installed, editable, with every requirement
-of ``pyproject.toml`` (and of its ``tools``, ``real`` and ``test`` extras) satisfied; else print why and exit 1. The set-up then
+of ``pyproject.toml`` (and of its extras, ``HYBRID_CACHE_EXTRAS``: ``tools``, ``real`` and ``test`` by default) satisfied; else print why and exit 1. The set-up then
 skips pip when nothing needs installing (about a second instead of ~15 s of pip resolving). Anything it cannot decide
 (Python 3.10 has no ``tomllib``) counts as "not installed": pip then decides.
 
@@ -22,7 +22,8 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTRAS = ("tools", "real", "test")
+# The extras installed with it (scripts/setup.sh's HYBRID_CACHE_EXTRAS).
+EXTRAS = tuple(filter(None, os.environ.get("HYBRID_CACHE_EXTRAS", "tools,real,test").split(",")))
 
 
 def install_blocker() -> str | None:

