@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"model: {type(model).__name__}, loaded in {time.perf_counter() - t0:.1f} s; {len(types)} layers: "
         f"{types.count('sliding_attention')} sliding-window ({config.sliding_window} tokens) + "
-        f"{len(types) - types.count('sliding_attention')} full attention"
+        f"{len(types) - types.count('sliding_attention')} full attention; attention {config._attn_implementation}"
     )
     inputs = tokenizer(text, return_tensors="pt")
     if args.prompt is None:

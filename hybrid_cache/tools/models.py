@@ -44,6 +44,9 @@ from typing import Any
 
 import torch
 
+from hybrid_cache.code_attention import CODE_ATTENTION
+from hybrid_cache.prefill_steps import enable_prefill_steps
+
 logger = logging.getLogger(__name__)
 
 #: Bump when the layout of a converted checkpoint changes, so older conversions are rebuilt.
@@ -135,7 +138,7 @@ def _attention_names() -> list[str]:
 def _check_attn_implementation(attn_implementation: str | None) -> None:
     """Reject a name transformers does not know (a typo) before anything is loaded or converted."""
     if attn_implementation is None:
-        return  # transformers' own default
+        return  # load_model's default: CODE_ATTENTION where the model takes it, else "sdpa"
     if not isinstance(attn_implementation, str):
         raise ValueError(
             f"attn_implementation must be a string such as 'sdpa' or 'eager', got "
@@ -152,7 +155,8 @@ def _check_attn_implementation(attn_implementation: str | None) -> None:
     if attn_implementation not in names and not is_kernel(attn_implementation):
         raise ValueError(
             f"unknown attn_implementation {attn_implementation!r}; transformers "
-            f"{_transformers_version()} knows {', '.join(repr(n) for n in names)} (default 'sdpa')"
+            f"{_transformers_version()} knows {', '.join(repr(n) for n in names)} (default {CODE_ATTENTION!r} "
+            f"where the model takes it, else 'sdpa')"
         )
 
 
@@ -160,6 +164,10 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+class _AttentionRefused(ValueError):
+    """The model cannot be built with the requested attention implementation (`_check_model_accepts`)."""
 
 
 def _check_model_accepts(config: Any, kwargs: dict[str, Any]) -> None:
@@ -181,9 +189,9 @@ def _check_model_accepts(config: Any, kwargs: dict[str, Any]) -> None:
         except Exception:
             return  # not the arguments' fault (the model cannot be built at all): the load itself will say why
         reason = " ".join(str(exc).split()) or type(exc).__name__
-        raise ValueError(
+        raise _AttentionRefused(
             f"cannot load the model with attn_implementation={attn!r}, dtype={kwargs['dtype']}: "
-            f"{reason} Use attn_implementation='sdpa' (the default) or 'eager'."
+            f"{reason} Use attn_implementation='sdpa' or 'eager' (or leave it out: the default)."
         ) from None
 
 
@@ -733,10 +741,9 @@ def _looks_like_path(name: str) -> bool:
 
 def _hub_error(name: str, exc: BaseException) -> str:
     """One line saying why Hub id `name` could not be loaded and what to pass instead."""
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
     why = (
         "HF_HUB_OFFLINE is set (nothing is downloaded) and it is not in the local Hugging Face cache"
-        if offline
+        if _offline()
         else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     )
     hint = " (Gemma 3 270M is embedded: omit the model argument to use it)" if "gemma-3-270m" in name.lower() else ""
@@ -751,7 +758,7 @@ def load_model(
     *,
     dtype: torch.dtype | str = torch.float32,
     device: str = "cpu",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
 ) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer, offline-friendly.
 
@@ -762,8 +769,15 @@ def load_model(
             it is in the local Hub cache or the Hub is reachable).
         dtype: parameter dtype (``torch.float32`` or a name such as ``"bfloat16"``).
         device: device to move the model to.
-        attn_implementation: transformers attention backend, ``"sdpa"`` or ``"eager"`` (or another that transformers
-            knows and that can run here, e.g. ``"flex_attention"``).
+        attn_implementation: transformers attention backend: ``"hybrid_cache_sdpa"`` (hybrid_cache's: SDPA, with the
+            banded prefill for long prompts, ``hybrid_cache.banded``), ``"sdpa"`` or ``"eager"`` (or another that
+            transformers knows and that can run here, e.g. ``"flex_attention"``). Default (None):
+            ``"hybrid_cache_sdpa"`` where the model takes it (models on transformers' attention interface, Gemma 3 /
+            4 among them), else ``"sdpa"``. Its results are SDPA's (exact caches, fp32 within 1e-5), except the
+            decode steps of int8 / int4 full layers of a HybridRingCache, which attend on their codes
+            (``full_layer_code_attention=False`` keeps them dequantizing). A model on it also gets
+            ``generate`` prefill steps (``hybrid_cache.prefill_steps``: a long text prompt goes into the cache 2048
+            tokens at a time; ``generate(..., prefill_chunk_size=None)`` for one forward).
 
     Returns:
         ``(model, tokenizer)``, model in eval mode; ``tokenizer`` is None for a directory without one.
@@ -776,13 +790,20 @@ def load_model(
         OSError: a Hub id that cannot be resolved (not cached while offline, or no such repository).
     """
     _check_attn_implementation(attn_implementation)
-    kwargs = {"dtype": _parse_dtype(dtype), "attn_implementation": attn_implementation}
+    kwargs = {"dtype": _parse_dtype(dtype), "attn_implementation": attn_implementation or CODE_ATTENTION}
     device = _parse_device(device)
     name = None if name_or_path is None else os.fspath(name_or_path)
     with _quiet_loading():
-        model, tokenizer = _load(name, kwargs)
+        try:
+            model, tokenizer = _load(name, kwargs)
+        except _AttentionRefused:
+            if attn_implementation is not None:
+                raise
+            model, tokenizer = _load(name, {**kwargs, "attn_implementation": "sdpa"})  # a model without the interface
     model.to(device)
     model.eval()
+    if model.config._attn_implementation == CODE_ATTENTION:
+        enable_prefill_steps(model, CODE_ATTENTION)
     return model, tokenizer
 
 
@@ -801,35 +822,69 @@ def _quiet_loading() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _load(name: str | None, kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """`load_model` without the device move: dispatch on what `name` is, each mistake raising one clear line."""
-    is_default = name in DEFAULT_MODEL_NAMES
-    if is_default:
-        gguf_path, sha = default_gguf_path()
-        model, tokenizer = _load_converted_gguf(gguf_path, sha, fix_default_config=True, **kwargs)
-    else:
-        path = Path(name).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
-            model, tokenizer = _load_converted_gguf(path, None, **kwargs)
-        elif path.is_dir():
-            if not (path / "config.json").is_file():
-                raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
-            model, tokenizer = _load_dir(path, **kwargs)
-        elif path.exists():
+def check_model_path(name: str) -> None:
+    """Raise what `load_model` would raise about `name` as a path or Hub id, without loading anything (a command
+    checks its model argument this way before it does any work). `name` is the default, an existing ``.gguf`` file,
+    a directory with a config.json, or a Hub id (while ``HF_HUB_OFFLINE`` is set: one in the local cache).
+
+    Raises:
+        FileNotFoundError: a path that does not exist, or a directory without a config.json.
+        ValueError: a file that is not a ``.gguf``.
+        OSError: offline, a Hub id that is not in the local Hugging Face cache.
+    """
+    if name in DEFAULT_MODEL_NAMES:
+        return
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
+    elif path.exists():
+        if not (path.is_file() and path.suffix == ".gguf"):
             raise ValueError(f"model path {str(path)!r} is neither a directory nor a .gguf file")
-        elif _looks_like_path(name):
-            raise FileNotFoundError(f"model path {name!r} does not exist")
-        else:
-            try:
-                model, tokenizer = _load_dir(name, local_only=False, **kwargs)
-            except OSError as exc:
-                raise OSError(_hub_error(name, exc)) from exc
-    return model, tokenizer
+    elif _looks_like_path(name):
+        raise FileNotFoundError(f"model path {name!r} does not exist")
+    elif _offline() and not _in_hub_cache(name):
+        raise OSError(_hub_error(name, FileNotFoundError(name)))
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds `repo_id`'s config.json (False for a name that is no repo id)."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except HFValidationError:
+        return False
+
+
+def _load(name: str | None, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """`load_model` without the device move: dispatch on what `name` is, each mistake raising one clear line
+    (`check_model_path`)."""
+    if name in DEFAULT_MODEL_NAMES:
+        gguf_path, sha = default_gguf_path()
+        return _load_converted_gguf(gguf_path, sha, fix_default_config=True, **kwargs)
+    assert name is not None  # None is one of DEFAULT_MODEL_NAMES
+    check_model_path(name)
+    path = Path(name).expanduser()
+    if path.is_file():
+        return _load_converted_gguf(path, None, **kwargs)
+    if path.is_dir():
+        return _load_dir(path, **kwargs)
+    try:
+        return _load_dir(name, local_only=False, **kwargs)
+    except OSError as exc:
+        raise OSError(_hub_error(name, exc)) from exc
 
 
 __all__ = [
     "NO_HUB_KERNELS",
     "cache_home",
+    "check_model_path",
     "default_checkpoint",
     "default_gguf_path",
     "load_model",

@@ -218,18 +218,59 @@ PRESETS: dict[str, Preset] = {
 
 
 def load_config(name_or_path: str | Path) -> PreTrainedConfig:
-    """A preset name (`PRESETS`), a model directory, or a `config.json` file (read locally, nothing downloaded)."""
+    """A preset name (`PRESETS`), a model directory, or a `config.json` file (read locally, nothing downloaded).
+
+    Raises:
+        ValueError: no such preset or path, a directory without a config.json, or a file that is not a model's
+            config.json (not UTF-8, not JSON, not an object, no known ``model_type``): one line naming the file.
+    """
     if str(name_or_path) in PRESETS:
         return PRESETS[str(name_or_path)].config()
     path = Path(name_or_path)
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {str(path)!r} has no config.json; expected a directory with one")
+        _read_config_file(path / "config.json")
         return AutoConfig.from_pretrained(path, local_files_only=True)
     if path.is_file():
-        values = json.loads(path.read_text())
+        values = _read_config_file(path)
         return AutoConfig.for_model(values.pop("model_type"), **values)
     raise ValueError(
         f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file or model directory."
     )
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """The values of a model's config.json, or a ValueError in one line naming `path` and what was expected."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    expected = "expected a model's config.json (a JSON object with its model_type)"
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        byte = exc.object[exc.start : exc.start + 1].hex()
+        raise ValueError(
+            f"{str(path)!r} is not UTF-8 text (byte 0x{byte} at offset {exc.start}); {expected}"
+        ) from None
+    except OSError as exc:
+        raise ValueError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    if not text.strip():
+        raise ValueError(f"{str(path)!r} is empty; {expected}")
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{str(path)!r} is not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); {expected}"
+        ) from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{str(path)!r} holds a JSON {type(values).__name__}, not an object; {expected}")
+    model_type = values.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        what = (
+            "no model_type" if model_type is None else f"model_type {model_type!r}, which transformers does not know"
+        )
+        raise ValueError(f"{str(path)!r} has {what}; {expected}")
+    return values
 
 
 # --- plans ---------------------------------------------------------------------------------------------------------

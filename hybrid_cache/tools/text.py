@@ -17,6 +17,7 @@ Sources accepted by :func:`load_text`:
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import re
 from collections.abc import Iterator
@@ -66,14 +67,58 @@ def _quiet_datasets() -> Iterator[None]:
             datasets.utils.enable_progress_bars()
 
 
+#: Suffixes ``datasets`` decompresses (the file itself is not the text).
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+
+
 def _load_text_files(path: Path) -> str:
-    """Read one local file (plain or compressed) through ``datasets``' text builder, as one document."""
+    """Read one local file (plain or compressed) through ``datasets``' text builder, as one document.
+
+    Raises:
+        ValueError: a file that is not UTF-8 text (or a compressed file that cannot be decompressed), in one line
+            naming the file, instead of ``datasets``' ``DatasetGenerationError``.
+    """
     from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
 
     # sample_by="document" keeps the file as one row, newlines included; "line" would drop them.
-    with _quiet_datasets():
-        ds = load_dataset("text", data_files=str(path), sample_by="document", split="train")
+    try:
+        with _quiet_datasets():
+            ds = load_dataset("text", data_files=str(path), sample_by="document", split="train")
+    except DatasetGenerationError as exc:
+        raise ValueError(_unreadable_text(path, exc)) from exc
     return "".join(ds["text"])
+
+
+def _unreadable_text(path: Path, exc: BaseException) -> str:
+    """One line saying why ``datasets`` could not read `path` as text: the first cause in `exc`'s chain."""
+    cause: BaseException | None = exc
+    while cause is not None and isinstance(cause, type(exc)):
+        cause = cause.__cause__ or cause.__context__
+    expected = "expected a UTF-8 text file, plain or .gz"
+    if isinstance(cause, UnicodeDecodeError):
+        where = "" if path.suffix in _COMPRESSED else f" at offset {_first_undecodable_byte(path)}"
+        byte = cause.object[cause.start : cause.start + 1].hex()
+        return f"text file {str(path)!r} is not UTF-8 text (byte 0x{byte}{where}); {expected}"
+    reason = "" if cause is None else f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+    return f"text file {str(path)!r} could not be read as text ({reason or 'no reason given'}); {expected}"
+
+
+def _first_undecodable_byte(path: Path, block: int = 1 << 20) -> int:
+    """The offset of the first byte of `path` that is not UTF-8 (-1 if none), reading only up to it."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as fh:
+        while True:
+            data = fh.read(block)
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as exc:
+                # the decoder holds back at most 3 bytes of an incomplete character from the previous block
+                return offset + exc.start - (len(exc.object) - len(data))
+            if not data:
+                return -1
+            offset += len(data)
 
 
 def _load_hub(spec: str) -> str:
@@ -115,7 +160,8 @@ def load_text(source: str | Path | None = None) -> tuple[str, str]:
 
     Raises:
         FileNotFoundError: a path that does not exist, or an unknown ``shakespeare:<play>``.
-        ValueError: an empty text, or a Hub dataset that cannot be loaded.
+        ValueError: an empty text, a file that is not UTF-8 text (or not a regular file), or a Hub dataset that
+            cannot be loaded.
     """
     src = None if source is None else str(source)
     if src in (None, "", "default", "britannica"):
@@ -136,7 +182,7 @@ def load_text(source: str | Path | None = None) -> tuple[str, str]:
             text = _load_text_files(path)
             description = str(path)
         elif path.exists():
-            raise ValueError(f"text source {src!r} is not a regular file")
+            raise ValueError(f"text source {src!r} is not a regular file; expected a text file, plain or .gz")
         elif (
             src.startswith((".", "/", "~"))
             or path.suffix in (".txt", ".gz", ".bz2", ".xz", ".zst")
@@ -147,7 +193,7 @@ def load_text(source: str | Path | None = None) -> tuple[str, str]:
             text = _load_hub(src)
             description = f"Hub dataset {src}"
     if not text.strip():
-        raise ValueError(f"text source {src or 'default'!r} is empty")
+        raise ValueError(f"text source {src or 'default'!r} is empty or only whitespace; expected a text to read")
     return text, description
 
 

@@ -74,10 +74,11 @@ def test_bench_main_json_schema(tmp_path, capsys):
         assert r["bytes_must_read_per_step"] > 0 and r["roofline_pct_of_bandwidth"] > 0
         assert len(r["step_times_ms"]) == 2
     ring = {r["batch"]: r for r in results if r["cache"] == "ring"}
-    # The ring of a 16-token window written in place: one token per storing layer per step (6 layers, K and V); the
-    # full layer grew from 128 to 130 slots at the warm-up step, so the counted step writes in place too.
+    # The ring of a 16-token window written in place: one token per storing layer per step (6 layers, K and V), and
+    # the one slot each of the 5 rings overwrites, kept to undo the step (`ring.SlotUndo`); the full layer grew from
+    # 128 to 130 slots at the warm-up step, so the counted step writes in place too.
     heads_dim_bytes = 256 * 4
-    assert ring[1]["copy_bytes_per_step"] == 6 * 2 * heads_dim_bytes
+    assert ring[1]["copy_bytes_per_step"] == (6 + 5) * 2 * heads_dim_bytes
     assert plot.stat().st_size > 0
     assert "ring/static" in data["table"] and "ms/tok med/min" in data["table"]  # the JSON keeps the full tables
     # The printed view is the compact one: a median per cache and the ratios, every line within 120 characters.
@@ -272,6 +273,8 @@ def test_decode_memory_within_a_64th_of_exact(tmp_path):
     ring = rows["ring"]
     assert len(ring["kv_trace"]) == 1 + 1 + 1 + 3  # after the prefill, the warm-up, the counted and the timed steps
     model = build_tiny_model(window=16)
+    # K/V storage only: the slot each ring's last step overwrote (`ring.SlotUndo`) is bookkeeping, counted by
+    # `memory_report()` as extra bytes, as the counters are.
     for tokens, held in ring["kv_trace"]:
         assert held <= exact_kv_bytes(model, 1, tokens, torch.float32) * (1 + 1 / 64)
     assert 1.0 < ring["kv_ratio_to_exact_max"] <= 1 + 1 / 64
@@ -327,11 +330,102 @@ def test_contention_meter_sees_a_competing_process():
     )
 
 
-def test_model_mistakes_are_one_line(capsys):
+@pytest.fixture
+def no_measurement(monkeypatch):
+    """Fails a test if the bench measures the machine or loads a model: its checks come before both."""
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured the machine or loaded a model before checking the command line")
+
+    for name in ("machine_info", "measure_bandwidth", "load_bench_model"):
+        monkeypatch.setattr(bench_cli, name, measured)
+    monkeypatch.setattr(bench_cli.ContentionMeter, "probe", measured)
+
+
+def _one_line_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        bench_cli.main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    assert captured.err.startswith("hybrid-cache-bench: error: "), captured.err
+    return captured.err
+
+
+def test_model_mistakes_are_one_line(capsys, no_measurement):
     """A Hub id that is not cached (offline) or a path that does not exist ends the command with one clear line."""
     for model in ("google/gemma-3-270m", "./no/such/checkpoint"):
-        with pytest.raises(SystemExit) as exit_info:
-            bench_cli.main(["--model", model, "--contexts", "8", "--batch", "1", "--bandwidth-bytes", str(1 << 20)])
-        message = str(exit_info.value)
-        assert message.startswith("hybrid-cache-bench: error: ") and "\n" not in message, message
+        message = _one_line_error(["--model", model, "--contexts", "8", "--batch", "1"], capsys)
         assert ("Hub" in message or "does not exist" in message) and model in message
+
+
+def _prefill_script():
+    """benchmarks/prefill.py as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill.py"
+    spec = importlib.util.spec_from_file_location("prefill_benchmark", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_ttft_benchmark_script_quick_defaults():
+    """--quick is a smoke run (one 600-token prompt, one rep, a short warm-up); options given still win."""
+    script = _prefill_script()
+    args = script.parse_args([])
+    assert (args.contexts, args.reps, args.warmup_tokens) == ([2048, 8192, 16384, 32000], 2, 1024)
+    args = script.parse_args(["--quick"])
+    assert (args.contexts, args.reps, args.warmup_tokens, args.quick) == ([600], 1, 64, True)
+    args = script.parse_args(["--quick", "--contexts", "700", "--reps", "3"])
+    assert (args.contexts, args.reps, args.warmup_tokens) == ([700], 3, 64)
+
+
+def test_ttft_benchmark_script_side_by_side(tmp_path, capsys):
+    """benchmarks/prefill.py on the tiny model: every variant timed per prompt length (reps interleaved), the same
+    first token everywhere, the table with the ratios of ring-banded, JSON rows with the documented keys, a plot."""
+    script = _prefill_script()
+    out, plot = tmp_path / "ttft.json", tmp_path / "ttft.png"
+    argv = ["--model", "tiny", "--contexts", "40", "600", "--reps", "2", "--warmup-tokens", "16"]
+    argv += ["--variants", "sdpa", "sdpa-chunk512", "ring-banded", "--json", str(out), "--plot", str(plot)]
+    assert script.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "machine:" in printed and "threads" in printed and "load average" in printed
+    assert "ring-banded/sdpa-chunk512" in printed and "ring-banded/best chunk" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["variant"], r["context"]) for r in rows} == {
+        (v, c) for v in ("sdpa", "sdpa-chunk512", "ring-banded") for c in (40, 600)
+    }
+    for r in rows:
+        assert len(r["ttft_s"]) == 2 and r["ttft_s_median"] > 0 and r["same_token"], r
+        assert r["max_abs_logit_diff"] < 1e-4 and r["peak_rss_delta_bytes"] >= 0
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda d: d / "missing", "model path '{path}' does not exist"),
+        (lambda d: d / "missing.gguf", "model path '{path}' does not exist"),
+        (lambda d: d, "model directory '{path}' has no config.json"),
+        (lambda d: (d / "notes.txt").write_text("text") and d / "notes.txt", "'{path}' is neither a directory nor"),
+        (lambda d: (d / "empty.gguf").write_bytes(b"") or d / "empty.gguf", "'{path}' does not start with the GGUF"),
+        (lambda d: (d / "t.gguf").write_bytes(b"\xffGGUF") and d / "t.gguf", "'{path}' does not start with the GGUF"),
+    ],
+)
+def test_a_wrong_model_path_is_one_line_before_anything_is_measured(make, expected, tmp_path, capsys, no_measurement):
+    path = make(tmp_path)
+    message = _one_line_error(["--model", str(path)], capsys)
+    assert expected.format(path=path) in message, message
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot", "--profile-out"])
+def test_an_output_file_that_cannot_be_written_is_one_line_before_anything_is_measured(
+    option, tmp_path, capsys, no_measurement
+):
+    message = _one_line_error(["--model", "tiny", option, str(tmp_path)], capsys)
+    assert f"{option} '{tmp_path}' is a directory; expected the path of a file" in message
+    path = tmp_path / "no_folder" / "out.json"
+    message = _one_line_error(["--model", "tiny", option, str(path)], capsys)
+    assert f"cannot write {option} '{path}': the folder '{path.parent}' does not exist" in message

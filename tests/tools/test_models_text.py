@@ -18,7 +18,9 @@ import torch
 from builders import SAMPLE, tiny_model, tiny_tokenizer
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+from hybrid_cache.code_attention import CODE_ATTENTION
 from hybrid_cache.compat import cache_kwargs
+from hybrid_cache.prefill_steps import PREFILL_STEP, prefill_steps_of
 from hybrid_cache.tools import models
 from hybrid_cache.tools.cli.perplexity import main
 from hybrid_cache.tools.compare import EXACT_CACHE_NAMES, full_cache_bytes_per_token
@@ -82,6 +84,25 @@ def test_text_errors(tmp_path):
         load_text(tmp_path)
     with pytest.raises(ValueError, match="name\\[:config\\[:split\\]\\]"):
         load_text("a:b:c:d")
+
+
+def test_a_file_that_is_not_utf8_text_is_named_in_one_line(tmp_path):
+    """Not `datasets`' DatasetGenerationError: the file, the first byte that is not UTF-8 and where it is."""
+    binary = tmp_path / "model.bin"
+    binary.write_bytes("é".encode() * 3 + b"\xff\x00\x01")
+    with pytest.raises(ValueError) as info:
+        load_text(binary)
+    assert str(info.value) == (
+        f"text file {str(binary)!r} is not UTF-8 text (byte 0xff at offset 6); expected a UTF-8 text file, plain or .gz"
+    )
+    gz = tmp_path / "latin1.txt.gz"
+    gz.write_bytes(gzip.compress("café".encode("latin-1")))
+    with pytest.raises(ValueError, match=f"text file {re.escape(repr(str(gz)))} is not UTF-8 text \\(byte 0xe9\\)"):
+        load_text(gz)
+    not_gz = tmp_path / "plain.txt.gz"
+    not_gz.write_text(SAMPLE)
+    with pytest.raises(ValueError, match="could not be read as text \\(BadGzipFile: Not a gzipped file"):
+        load_text(not_gz)
 
 
 # ---------------------------------------------------------------- models
@@ -219,6 +240,34 @@ def test_default_model_checks_the_arguments_before_converting(tmp_path, monkeypa
     with pytest.raises(ValueError, match="flash_attention_2"):
         models.load_model(None, attn_implementation="flash_attention_2")
     assert conversions == []
+
+
+def test_default_attention_is_hybrid_cache_sdpa_with_prefill_steps(tiny_dir):
+    """Without `attn_implementation` a model that takes it loads on `hybrid_cache_sdpa` with `generate`'s prefill
+    steps; one asked for `sdpa` (or `eager`) gets exactly that and no steps."""
+    model, _ = models.load_model(tiny_dir)
+    assert model.config._attn_implementation == CODE_ATTENTION
+    assert prefill_steps_of(model) is not None and prefill_steps_of(model).step == PREFILL_STEP
+    for name in ("sdpa", "eager"):
+        model, _ = models.load_model(tiny_dir, attn_implementation=name)
+        assert model.config._attn_implementation == name and prefill_steps_of(model) is None
+
+
+def test_default_attention_falls_back_to_sdpa_where_refused(tiny_dir, monkeypatch):
+    """A model that refuses `hybrid_cache_sdpa` loads on `sdpa` by default (no steps); asked for it explicitly, the
+    refusal is one ValueError naming it."""
+    real = Gemma3ForCausalLM.get_correct_attn_implementation
+
+    def refuse(self, requested, is_init_check=False):
+        if requested == CODE_ATTENTION:
+            raise ValueError(f"{type(self).__name__} does not take {requested}")
+        return real(self, requested, is_init_check)
+
+    monkeypatch.setattr(Gemma3ForCausalLM, "get_correct_attn_implementation", refuse)
+    model, _ = models.load_model(tiny_dir)
+    assert model.config._attn_implementation == "sdpa" and prefill_steps_of(model) is None
+    with pytest.raises(ValueError, match=f"attn_implementation='{CODE_ATTENTION}'.*does not take"):
+        models.load_model(tiny_dir, attn_implementation=CODE_ATTENTION)
 
 
 def test_gemma3_270m_config_check_fixes_wrong_fields():
@@ -402,8 +451,41 @@ def test_cli_errors(argv, message, tiny_dir, tmp_path, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize(
+    "option, make",
+    [
+        ("--text", lambda d: (d / "weights.bin").write_bytes(b"\x00\xffGGUF") and d / "weights.bin"),
+        ("--text", lambda d: (d / "empty.txt").write_text("") or d / "empty.txt"),
+        ("--text", lambda d: d),
+        ("--text", lambda d: d / "missing.txt"),
+        ("--json", lambda d: d),
+        ("--plot", lambda d: d),
+        ("--quality-plot", lambda d: d),
+    ],
+)
+def test_cli_file_mistakes_are_one_line_before_the_model_loads(option, make, tmp_path, capsys, monkeypatch):
+    """A text file that is not UTF-8 text (or empty, a directory, missing) or an output path that is a directory:
+    status 2 and one line on stderr naming the file and what was expected, and no model loaded."""
+    loaded = []
+    monkeypatch.setattr("hybrid_cache.tools.cli.perplexity.load_model", lambda *a, **k: loaded.append(a))
+    text_file = tmp_path / "t.txt"
+    text_file.write_text(SAMPLE * 3)
+    path = make(tmp_path)
+    argv = ["--text", str(text_file), "--no-progress", option, str(path)]
+    if option == "--quality-plot":
+        argv += ["--reference", "ring"]
+    with pytest.raises(SystemExit) as excinfo:
+        main(argv)
+    assert excinfo.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("hybrid-cache-perplexity: error: ") and repr(str(path)) in captured.err
+    assert re.search("; expected |does not exist", captured.err), captured.err
+    assert not loaded
+
+
 def test_kv_bytes_equals_memory_report_and_gemma4_geometry():
-    """`kv_bytes` (distinct storages) equals HybridRingCache's own report; the full-cache baseline reads Gemma 4's
+    """`kv_bytes` (distinct storages) equals HybridRingCache's own report of K/V bytes; the full-cache baseline reads Gemma 4's
     per-layer geometry (sliding head 8 x 2 KV heads, full head 16 x 1 KV head, KV-shared layers excluded)."""
     from builders import chunked_logits, tiny_gemma4
 
@@ -412,7 +494,9 @@ def test_kv_bytes_equals_memory_report_and_gemma4_geometry():
     model = tiny_gemma4(window=4)
     cache = HybridRingCache(model.config)
     chunked_logits(model, cache, torch.randint(3, 100, (2, 15)), [9, 1, 5])
-    assert kv_bytes(cache) == cache.memory_report().total_bytes > 0
+    report = cache.memory_report()
+    # K/V storage; the report's extra bytes are the slots the last step overwrote, kept to undo it (`ring.SlotUndo`)
+    assert kv_bytes(cache) == report.kv_bytes == report.total_bytes - report.extra_bytes > 0
     # layers: S S F S S | shared x3  ->  4 sliding x (2 x 2 x 8) + 1 full x (2 x 1 x 16), fp32
     assert full_cache_bytes_per_token(model.config, torch.float32) == (4 * 2 * 2 * 8 + 1 * 2 * 1 * 16) * 4
 

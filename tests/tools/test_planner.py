@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -238,6 +239,39 @@ def test_cli(capsys, tmp_path):
     assert "cannot split" in capsys.readouterr().err
     assert main(["--list-presets"]) == 0
     assert capsys.readouterr().out.count("source: huggingface/transformers") == len(PRESETS)
+
+
+def _write(path, content: bytes):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda d: _write(d / "config.json", b"\xff\xfe{}"), "is not UTF-8 text \\(byte 0xff at offset 0\\)"),
+        (lambda d: _write(d / "empty.json", b""), "is empty"),
+        (lambda d: _write(d / "broken.json", b'{"model_type": '), "is not JSON \\(Expecting value at line 1"),
+        (lambda d: _write(d / "list.json", b"[1, 2]"), "holds a JSON list, not an object"),
+        (lambda d: _write(d / "nomodel.json", b'{"hidden_size": 8}'), "has no model_type"),
+        (lambda d: _write(d / "unknown.json", b'{"model_type": "nosuch"}'), "model_type 'nosuch', which transformers"),
+        (lambda d: _write(d / "model" / "config.json", b"\xff") and d / "model", "model/config.json' is not UTF-8"),
+        (lambda d: (d / "empty_dir").mkdir() or d / "empty_dir", "model directory .* has no config.json"),
+    ],
+)
+def test_cli_refuses_a_file_that_is_not_a_config_in_one_line(make, expected, tmp_path, capsys, monkeypatch):
+    """`hybrid-cache-plan FILE` on a file that is not a model's config.json: status 2 and one line naming the file
+    and what was expected, before anything is planned."""
+    planned = []
+    monkeypatch.setattr("hybrid_cache.tools.cli.planner.plan_kv_memory", lambda *a, **k: planned.append(a))
+    path = make(tmp_path)
+    assert main([str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith(f"error: '{path}") or captured.err.startswith(f"error: model directory '{path}'")
+    assert re.search(expected, captured.err) and "expected a" in captured.err, captured.err
+    assert not planned
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ __all__ = [
     "current_rss_bytes",
     "machine_info",
     "measure_bandwidth",
+    "release_free_memory",
     "sync",
 ]
 
@@ -134,6 +135,18 @@ def current_rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return 0
+
+
+def release_free_memory() -> None:
+    """Collect garbage and give the C allocator's free pages back to the system (glibc `malloc_trim`; elsewhere only
+    the collection), so that an RSS measured next grows with what is really allocated, not into pages kept free."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class RssSampler:

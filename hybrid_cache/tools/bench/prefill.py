@@ -1,6 +1,8 @@
-"""Chunked prefill: the time to put a long prompt into each cache chunk by chunk (time to first token, evaluation),
-the K/V bytes each cache holds on the way, and ``generate(..., prefill_chunk_size=...)``'s bound on what a ring's
-sliding layer returns.
+"""Prefill: the time to put a long prompt into each cache chunk by chunk (evaluation), the K/V bytes each cache holds
+on the way, ``generate(..., prefill_chunk_size=...)``'s bound on what a ring's sliding layer returns, and the time to
+the first token of one whole-prompt ``generate`` per way of running it (`run_ttft_benchmark`: transformers' SDPA
+with DynamicCache, whole or with ``prefill_chunk_size``, the ring on SDPA, the ring on ``hybrid_cache_sdpa``'s banded
+prefill), with the peak memory of each.
 
 A prefill run feeds `context` random token ids through ``model(input_ids=chunk, **cache_kwargs(cache), use_cache=True,
 logits_to_keep=1)`` in chunks of `chunk` tokens, as ``generate``'s chunked prefill does (the model builds every mask
@@ -11,23 +13,31 @@ that no cache always goes first); every run uses a fresh cache.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from hybrid_cache import cache_kwargs
+from hybrid_cache import cache_kwargs, use_code_attention
 from hybrid_cache.specs import declared_window
 
 from ..compare import kv_bytes_held, make_cache, peak_rss_bytes, text_config
 from .instrument import CacheOpTimer
-from .machine import Contention, ContentionMeter, RssSampler, current_rss_bytes, sync
+from .machine import Contention, ContentionMeter, RssSampler, current_rss_bytes, release_free_memory, sync
 
-__all__ = ["PrefillResult", "prefill_chunk_check", "run_prefill_benchmark"]
+__all__ = [
+    "TTFT_VARIANTS",
+    "PrefillResult",
+    "TtftResult",
+    "prefill_chunk_check",
+    "run_prefill_benchmark",
+    "run_ttft_benchmark",
+]
 
 
 @dataclass
@@ -225,3 +235,162 @@ def prefill_chunk_check(
         "cache_update_s": timer.update_s,
         "mask_s": timer.mask_s,
     }
+
+
+# --- time to first token of one whole-prompt generate -----------------------------------------------------------------
+#: How `run_ttft_benchmark` runs a prompt: (attention, cache, prefill_chunk_size). "banded" is hybrid_cache's attention
+#: (`use_code_attention`: the banded prefill); "sdpa" transformers' own.
+TTFT_VARIANTS: dict[str, tuple[str, str, int | None]] = {
+    "sdpa": ("sdpa", "dynamic", None),
+    "sdpa-chunk512": ("sdpa", "dynamic", 512),
+    "sdpa-chunk2048": ("sdpa", "dynamic", 2048),
+    "ring-sdpa": ("sdpa", "ring", None),
+    "ring-banded": ("banded", "ring", None),
+    "dynamic-banded": ("banded", "dynamic", None),
+}
+
+
+@dataclass
+class TtftResult:
+    """One (variant, context) row of the time-to-first-token benchmark.
+
+    Attributes:
+        ttft_s_median / ttft_s_min / ttft_s: wall time of ``generate(max_new_tokens=1)`` (prefill and the first
+            token), median / min / every rep.
+        peak_rss_delta_bytes: the most the process' RSS rose above its level before the call (sampled every 5 ms,
+            the allocator's free pages released before each call), highest over reps: masks, activations and the cache
+            together.
+        first_token / same_token: the greedy first token, and whether it equals the reference's (the first variant).
+        max_abs_logit_diff: its logits against the reference's.
+        other_cpu_cores / loadavg_max / competing_load: the load while the row's runs were timed.
+    """
+
+    variant: str
+    context: int
+    dtype: str
+    ttft_s_median: float
+    ttft_s_min: float
+    ttft_s: list[float]
+    peak_rss_delta_bytes: int
+    first_token: int
+    same_token: bool
+    max_abs_logit_diff: float
+    reps: int
+    threads: int
+    other_cpu_cores: float | None = None
+    loadavg_max: float | None = None
+    competing_load: bool = False
+
+
+def _ttft_once(model: Any, variant: str, ids: torch.Tensor) -> tuple[float, int, int, torch.Tensor]:
+    """One whole-prompt ``generate`` of one token: (seconds, peak RSS rise, token, its logits)."""
+    from transformers import DynamicCache
+
+    from hybrid_cache import HybridRingCache
+
+    attention, cache_name, chunk = TTFT_VARIANTS[variant]
+    cache = HybridRingCache(model.config) if cache_name == "ring" else DynamicCache(config=model.config)
+    kwargs: dict[str, Any] = {"prefill_chunk_size": chunk} if chunk else {}
+    release_free_memory()  # every run starts from the same heap: the RSS rise is what it allocates
+    before = current_rss_bytes()
+    device = ids.device
+    with RssSampler() as sampler, torch.inference_mode():
+        with use_code_attention(model) if attention == "banded" else _attention(model, attention):
+            sync(device)
+            start = time.perf_counter()
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                **cache_kwargs(cache),
+                max_new_tokens=1,
+                do_sample=False,
+                return_dict_in_generate=True,
+                output_logits=True,
+                **kwargs,
+            )
+            sync(device)
+            seconds = time.perf_counter() - start
+    logits = out.logits[0][0].float().clone()
+    token = int(out.sequences[0, -1])
+    del cache, out
+    gc.collect()
+    return seconds, sampler.peak - before, token, logits
+
+
+@contextlib.contextmanager
+def _attention(model: Any, name: str) -> Iterator[None]:
+    """Within the block, `model` runs the attention implementation `name` (the previous one comes back on exit)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def run_ttft_benchmark(
+    model: Any,
+    *,
+    contexts: Sequence[int],
+    variants: Sequence[str],
+    reps: int,
+    dtype: torch.dtype,
+    log: Callable[[str], None] = print,
+    meter: ContentionMeter | None = None,
+    seed: int = 0,
+    warmup_tokens: int = 1024,
+) -> list[TtftResult]:
+    """Time one whole-prompt ``generate`` (one new token) per variant of `TTFT_VARIANTS` at every context.
+
+    Per context: random token ids (seeded), one untimed warm-up per variant on a `warmup_tokens` prompt, then `reps`
+    rounds, each running every variant once (the order rotated every round, so that no variant always goes first).
+    The first variant is the reference of the token and logit comparisons.
+    """
+    unknown = [v for v in variants if v not in TTFT_VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; choose from {list(TTFT_VARIANTS)}")
+    meter = meter or ContentionMeter()
+    config = text_config(model)
+    device = next(model.parameters()).device
+    dtype_name = str(dtype).replace("torch.", "")
+    results = []
+    for context in contexts:
+        generator = torch.Generator().manual_seed(seed + context)
+        ids = torch.randint(3, config.vocab_size, (1, context), generator=generator).to(device)
+        for variant in variants:
+            _ttft_once(model, variant, ids[:, : min(context, warmup_tokens)])
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        peaks: dict[str, int] = {v: 0 for v in variants}
+        firsts: dict[str, tuple[int, torch.Tensor]] = {}
+        load = {v: Contention() for v in variants}
+        for rep in range(reps):
+            for variant in list(variants[rep % len(variants) :]) + list(variants[: rep % len(variants)]):
+                with meter.track(load[variant]):
+                    seconds, peak, token, logits = _ttft_once(model, variant, ids)
+                times[variant].append(seconds)
+                peaks[variant] = max(peaks[variant], peak)
+                firsts.setdefault(variant, (token, logits))
+                log(f"  ctx={context:>6} {variant:>15}: {seconds:8.2f} s, peak RSS +{peak / 2**20:8.1f} MiB")
+        reference_token, reference_logits = firsts[variants[0]]
+        for variant in variants:
+            token, logits = firsts[variant]
+            results.append(
+                TtftResult(
+                    variant=variant,
+                    context=context,
+                    dtype=dtype_name,
+                    ttft_s_median=statistics.median(times[variant]),
+                    ttft_s_min=min(times[variant]),
+                    ttft_s=[round(t, 3) for t in times[variant]],
+                    peak_rss_delta_bytes=peaks[variant],
+                    first_token=token,
+                    same_token=token == reference_token,
+                    max_abs_logit_diff=float((logits - reference_logits).abs().max()),
+                    reps=reps,
+                    threads=torch.get_num_threads(),
+                    other_cpu_cores=load[variant].other_cores,
+                    loadavg_max=load[variant].loadavg_max,
+                    competing_load=meter.competing(load[variant]),
+                )
+            )
+    return results

@@ -1,4 +1,4 @@
-"""Tables and plots of benchmark results: decode (eager and compiled), K/V memory, chunked prefill.
+"""Tables and plots of benchmark results: decode (eager and compiled), K/V memory, chunked prefill, time to first token.
 
 Every table has two views: the full one (``full=True``, the default of these functions; the JSON always keeps it and
 ``hybrid-cache-bench --full-table`` prints it), and a compact one (``full=False``, what the command prints by default,
@@ -14,9 +14,18 @@ from typing import Any
 from .. import compare
 from .compiled import COMPILEABLE_CACHES
 from .decode import BenchResult
-from .prefill import PrefillResult
+from .prefill import PrefillResult, TtftResult
 
-__all__ = ["format_compiled_table", "format_memory_table", "format_prefill_table", "format_table", "plot_results"]
+__all__ = [
+    "LLAMA_CPP_REPORTED",
+    "format_compiled_table",
+    "format_memory_table",
+    "format_prefill_table",
+    "format_table",
+    "format_ttft_table",
+    "plot_results",
+    "plot_ttft",
+]
 
 BUSY_MARK = "!"
 BUSY_NOTE = (
@@ -228,6 +237,84 @@ def format_prefill_table(results: Sequence[PrefillResult], caches: Sequence[str]
         lambda r: r.prefill_ms_median,
         (("ring", "dynamic"), ("ring", "static")),
     )
+
+
+#: llama.cpp on the same prompt, as reported in issue 37 (not measured by this benchmark): llama-cpp-python 0.3.36, the
+#: embedded model's GGUF with its 4-bit weights, ubatch 512, 2 threads, 8192 tokens: seconds to evaluate the prompt.
+LLAMA_CPP_REPORTED = {8192: {"flash attention": 26.2, "no flash attention": 27.2}}
+
+
+def format_ttft_table(results: Sequence[TtftResult], variants: Sequence[str]) -> str:
+    """One row per (dtype, context): per variant the median seconds to the first token and the peak RSS rise (MiB);
+    the ratios of ``ring-banded`` to the others; whether every variant's first token equals the first variant's;
+    ``!`` where other work competed for the CPUs. A last line gives llama.cpp's reported time where there is one."""
+    rows: dict[tuple, dict[str, TtftResult]] = {}
+    for r in results:
+        rows.setdefault((r.dtype, r.context), {})[r.variant] = r
+    focus = "ring-banded"
+    ratios = [(focus, other) for other in variants if other != focus]
+    table = _comparison_table(
+        rows,
+        variants,
+        f"{'dtype':<9}{'ctx':>6}",
+        lambda k: f"{k[0]:<9}{k[1]:>6}",
+        lambda c: f"{c + ' s':>17}{'MiB':>8}",
+        lambda r: (
+            f"{'-':>17}{'-':>8}" if r is None else f"{r.ttft_s_median:>17.2f}{r.peak_rss_delta_bytes / 2**20:>8.0f}"
+        ),
+        lambda r: r.ttft_s_median,
+        ratios,
+    )
+    lines = table.splitlines()
+    lines[0] += f" | {focus + '/best chunk':>22} | tokens"
+    lines[1] += "-" * 34
+    for index, key in enumerate(sorted(rows, key=_point_key)):
+        by_variant = rows[key]
+        chunked = [r.ttft_s_median for v, r in by_variant.items() if "chunk" in v]
+        best = _ratio(by_variant[focus].ttft_s_median, min(chunked)) if chunked and focus in by_variant else "-"
+        same = all(r.same_token for r in by_variant.values())
+        lines[2 + index] += f" | {best:>22} | " + ("equal" if same else "DIFFER")
+    for context, reported in LLAMA_CPP_REPORTED.items():
+        if any(r.context == context for r in results):
+            shown = ", ".join(f"{name} {seconds} s" for name, seconds in reported.items())
+            lines.append(
+                f"llama.cpp at {context} tokens (4-bit GGUF, ubatch 512, 2 threads; reported in issue 37): {shown}"
+            )
+    return "\n".join(lines)
+
+
+def plot_ttft(results: Sequence[TtftResult], path: str) -> None:
+    """PNG: time to first token and peak RSS rise vs prompt length, one line per variant (llama.cpp's reported
+    point added)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(dict.fromkeys(r.variant for r in results))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for variant in variants:
+        points = sorted((r.context, r.ttft_s_median, r.peak_rss_delta_bytes) for r in results if r.variant == variant)
+        contexts = [p[0] for p in points]
+        left.plot(contexts, [p[1] for p in points], marker="o", label=variant)
+        right.plot(contexts, [p[2] / 2**30 for p in points], marker="o", label=variant)
+    for context, reported in LLAMA_CPP_REPORTED.items():
+        if any(r.context == context for r in results):
+            left.plot([context], [min(reported.values())], "k*", markersize=10, label="llama.cpp 4-bit (reported)")
+    dtype = results[0].dtype if results else ""
+    threads = results[0].threads if results else 0
+    for ax, label in ((left, "seconds to first token"), (right, "peak RSS rise (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    left.set_title(f"one whole-prompt generate, {dtype}, {threads} threads", fontsize=9)
+    right.set_title("memory", fontsize=9)
+    left.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_results(results: Sequence[BenchResult], path: str) -> None:

@@ -4,6 +4,7 @@ geometry), synthesized prefills and decode-step inputs, and what a step must rea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ __all__ = [
     "PrefillSource",
     "TinyGeometry",
     "build_tiny_model",
+    "check_bench_model",
     "exact_kv_bytes",
     "live_kv_bytes",
     "load_bench_model",
@@ -105,9 +107,11 @@ def load_bench_model(name: str, dtype: torch.dtype, window: int | None = None, d
     """A name of `TINY_MODELS` -> :func:`build_tiny_model` with that geometry (`window` overrides its window);
     anything else -> :func:`hybrid_cache.tools.models.load_model` (``default`` = the embedded Gemma 3 270M).
 
-    Models are loaded with attention implementation ``"hybrid_cache_sdpa"``: transformers' SDPA for every call
-    except the decode steps of compressed full layers, which attend on their codes (`hybrid_cache.code_attention`;
-    the ``ring-int*-deq`` caches keep dequantizing)."""
+    Models are loaded with attention implementation ``"hybrid_cache_sdpa"``: SDPA's results, long steps attending
+    block by block on their band (`hybrid_cache.banded`), and the decode steps of compressed full layers on their
+    codes (`hybrid_cache.code_attention`; the ``ring-int*-deq`` caches keep dequantizing). A model from `load_model`
+    also has ``generate``'s prefill steps (`hybrid_cache.prefill_steps`), a tiny one only within
+    ``use_code_attention``."""
     if name in TINY_MODELS:
         g = TINY_MODELS[name]
         return build_tiny_model(
@@ -122,6 +126,31 @@ def load_bench_model(name: str, dtype: torch.dtype, window: int | None = None, d
 
     model, _ = load_model(None if name in ("default", "") else name, dtype=dtype, attn_implementation=CODE_ATTENTION)
     return model.eval().to(device)
+
+
+def check_bench_model(name: str) -> None:
+    """Raise what `load_bench_model` would raise about `name` as a path, without loading anything: a command checks
+    its ``--model`` this way before it measures anything. `name` is one of `TINY_MODELS`, the default, an existing
+    ``.gguf`` file, a directory with a config.json or, while ``HF_HUB_OFFLINE`` is set, a Hub id in the local cache.
+
+    The checks are those of `hybrid_cache.tools.models.check_model_path`, which `load_model` makes too, and a
+    ``.gguf`` file's first bytes.
+
+    Raises:
+        FileNotFoundError: a path that does not exist, or a directory without a config.json.
+        ValueError: a file that is not a ``.gguf``, or does not start as one.
+        OSError: offline, a Hub id that is not in the local Hugging Face cache.
+    """
+    from hybrid_cache.tools.models import check_model_path
+
+    if name in TINY_MODELS:
+        return
+    check_model_path(name)
+    path = Path(name).expanduser()
+    if path.is_file():
+        with open(path, "rb") as fh:
+            if fh.read(4) != b"GGUF":  # an empty file too
+                raise ValueError(f"model file {str(path)!r} does not start with the GGUF magic bytes: not a GGUF file")
 
 
 PrefillSource = dict[int, tuple[torch.Tensor, torch.Tensor]]

@@ -1,5 +1,8 @@
 """``python -m hybrid_cache.tools.cli.bench`` / ``hybrid-cache-bench``: parse the options, check the machine, run one benchmark
-(decode, chunked prefill, or the ``generate`` prefill-chunk check), print its tables and write JSON / PNG."""
+(decode, chunked prefill, or the ``generate`` prefill-chunk check), print its tables and write JSON / PNG.
+
+A user's mistake (a ``--model`` path that does not exist or is no model, a Hub id not cached while offline, an output
+file in a folder that does not exist) exits with status 2 and one line on stderr, before anything is measured."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import shlex
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 
@@ -25,7 +29,7 @@ from ..bench.machine import ContentionMeter, busy_machine_warning, loadavg, mach
 from ..bench.prefill import prefill_chunk_check, run_prefill_benchmark
 from ..bench.profiling import profile_decode, profile_prefill
 from ..bench.report import format_compiled_table, format_memory_table, format_prefill_table, format_table, plot_results
-from ..bench.workload import DTYPES, TINY_MODELS, load_bench_model, parameter_bytes
+from ..bench.workload import DTYPES, TINY_MODELS, check_bench_model, load_bench_model, parameter_bytes
 from ..compare import text_config
 
 __all__ = ["build_parser", "main"]
@@ -264,6 +268,29 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def _usage_error(message: str) -> NoReturn:
+    """A user's mistake: one line on stderr, exit status 2 (as the other commands of the package)."""
+    print(f"hybrid-cache-bench: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _check_inputs(args: argparse.Namespace) -> None:
+    """--model and the output files, before the machine is measured: a mistake found only when the model loads (after
+    the bandwidth test) or when the JSON is written (after the whole run) would cost the user that time."""
+    try:
+        check_bench_model(args.model)
+    except (OSError, ValueError) as exc:
+        _usage_error(str(exc))
+    for option, path in (("--json", args.json), ("--plot", args.plot), ("--profile-out", args.profile_out)):
+        if not path:
+            continue
+        folder = Path(path).expanduser().absolute().parent
+        if Path(path).is_dir():
+            _usage_error(f"{option} {path!r} is a directory; expected the path of a file to write")
+        if not folder.is_dir():
+            _usage_error(f"cannot write {option} {path!r}: the folder {str(folder)!r} does not exist")
+
+
 def _windows(args: argparse.Namespace) -> list[int | None]:
     """The windows to build models for: --window for a random model, else the model's own (None)."""
     return list(args.window) if (args.model in TINY_MODELS and args.window) else [None]
@@ -277,7 +304,7 @@ def _models(args: argparse.Namespace, device: str):
             try:
                 model = load_bench_model(args.model, dtype, window, device=device)
             except (OSError, ValueError, ImportError) as exc:  # a wrong path or Hub id: one line, no traceback
-                raise SystemExit(f"hybrid-cache-bench: error: {exc}") from None
+                _usage_error(str(exc))
             config = text_config(model)
             _log(
                 f"model {args.model} {dtype_name}: {config.num_hidden_layers} layers, window "
@@ -513,6 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.window and args.model not in TINY_MODELS:
         _log(f"note: --window applies to the random models ({', '.join(TINY_MODELS)}); {args.model!r} keeps its own")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _check_inputs(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     command = "python -m hybrid_cache.tools.cli.bench " + " ".join(

@@ -2,8 +2,9 @@
 KV caches (`hybrid_cache.tools.perplexity`), optionally against an exact reference (`hybrid_cache.tools.quality`):
 parse the options, load the model and the text, print the table, write JSON / PNG.
 
-Usage errors (a bad option, a missing text or model file, a text shorter than one chunk) exit with status 2 and one
-line on stderr.
+Usage errors (a bad option, a missing text or model file, a text file that is not UTF-8 text, an output path that is
+a directory, a text shorter than one chunk) exit with status 2 and one line on stderr, before the model loads where
+they can be seen without it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hybrid_cache.banded import MIN_QUERY_LENGTH
 from hybrid_cache.code_attention import CODE_ATTENTION, MAX_CODE_QUERY_LENGTH
 
 from ..compare import full_cache_bytes_per_token
@@ -62,11 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument(
         "--attn-implementation",
-        default="sdpa",
+        default=None,
         choices=["sdpa", "eager", CODE_ATTENTION],
-        help=f"{CODE_ATTENTION}: SDPA, except that the decode steps (chunks of at most "
-        f"{MAX_CODE_QUERY_LENGTH} tokens) of ring-int8 / ring-int4 attend on their codes "
-        "(hybrid_cache.code_attention); ring-int*-deq keep dequantizing",
+        help=f"{CODE_ATTENTION}: SDPA, except that chunks of {MIN_QUERY_LENGTH} tokens or more attend block by block "
+        f"on their band (hybrid_cache.banded: the same results, no chunk x context mask) and the decode steps "
+        f"(chunks of at most {MAX_CODE_QUERY_LENGTH} tokens) of ring-int8 / ring-int4 attend on their codes "
+        "(hybrid_cache.code_attention; ring-int*-deq keep dequantizing); sdpa: transformers' own. Default: "
+        f"{CODE_ATTENTION} where the model takes it, else sdpa (load_model's default)",
     )
     p.add_argument("--logits-slice", type=int, default=512, help="positions per LM-head slice (default 512)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write results as JSON")
@@ -100,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     caches = _checked_caches(parser, args)
+    _check_outputs(parser, args)
     model, ids, model_desc, text_desc = _load_model_and_text(parser, args)
     if "ring" in caches and not has_sliding_layers(model.config):
         print("note: this model has no sliding-window layers, so the ring cache holds as much as a full cache")
@@ -109,9 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json_path:
         _write_json(args, results, model_desc, text_desc, int(ids.numel()), per_token)
     if args.plot:
+        _make_folder(args.plot)
         plot_memory(results, per_token, args.plot, title=f"{type(model).__name__}: KV bytes held ({args.dtype})")
         print(f"wrote {args.plot}")
     if args.quality_plot:
+        _make_folder(args.quality_plot)
         plot_quality(
             [r for r in results if r.kl_mean is not None],
             args.quality_plot,
@@ -138,6 +145,20 @@ def _checked_caches(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.quality_plot and args.reference is None:
         parser.error("--quality-plot needs --reference")
     return caches
+
+
+def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--json, --plot and --quality-plot are written after the evaluation: one that names a directory exits now, with
+    status 2 (a missing folder is made when the file is written)."""
+    for option, path in (("--json", args.json_path), ("--plot", args.plot), ("--quality-plot", args.quality_plot)):
+        if path and os.path.isdir(path):
+            parser.exit(
+                2, f"{parser.prog}: error: {option} {path!r} is a directory; expected the path of a file to write\n"
+            )
+
+
+def _make_folder(path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
 def _load_model_and_text(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Any, Any, str, str]:
@@ -236,7 +257,7 @@ def _write_json(
             for r in results
         ],
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
+    _make_folder(args.json_path)
     with open(args.json_path, "w") as fh:
         json.dump(payload, fh, indent=2)
     print(f"wrote {args.json_path}")
