@@ -3,6 +3,7 @@
     python benchmarks/prefill.py                      # the embedded Gemma 3 270M, fp32, 2048 8192 16384 32000 tokens
     python benchmarks/prefill.py --contexts 2048 8192 --reps 3 --json out/prefill.json --plot docs/img/prefill_ttft.png
     python benchmarks/prefill.py --quick              # smoke run: one 600-token prompt, one rep (not a measurement)
+    python benchmarks/prefill.py --from-json a.json b.json --plot docs/img/prefill_ttft.png   # join saved runs
 
 Variants (``--variants``, `hybrid_cache.tools.bench.prefill.TTFT_VARIANTS`): transformers' SDPA with DynamicCache on
 the whole prompt (``sdpa``), the same with ``prefill_chunk_size`` 512 / 2048 (``sdpa-chunk512`` / ``sdpa-chunk2048``),
@@ -29,7 +30,7 @@ import torch
 
 from hybrid_cache.banded import banded_settings
 from hybrid_cache.tools.bench.machine import ContentionMeter, busy_machine_warning, loadavg, machine_info
-from hybrid_cache.tools.bench.prefill import TTFT_VARIANTS, run_ttft_benchmark
+from hybrid_cache.tools.bench.prefill import TTFT_VARIANTS, TtftResult, run_ttft_benchmark
 from hybrid_cache.tools.bench.report import format_ttft_table, plot_ttft
 from hybrid_cache.tools.bench.workload import DTYPES, load_bench_model
 
@@ -69,11 +70,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", default=None, help="write the machine line and every row here.")
     p.add_argument("--plot", default=None, help="write the curves (PNG) here.")
+    p.add_argument(
+        "--from-json",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="measure nothing: the table (and --plot) of the rows saved by earlier --json runs (one machine's runs).",
+    )
     return p
+
+
+def saved_rows(paths: list[str]) -> tuple[list[TtftResult], list[dict[str, Any]]]:
+    """The rows and machine records of earlier `--json` runs; raises `SystemExit` with one line for a file that is
+    not one."""
+    rows: list[TtftResult] = []
+    machines: list[dict[str, Any]] = []
+    for path in paths:
+        try:
+            payload = json.loads(Path(path).read_text(encoding="utf-8"))
+            rows += [TtftResult(**row) for row in payload["rows"]]
+            machines.append(payload["machine"])
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+            raise SystemExit(
+                f"error: '{path}' is not a file written by `benchmarks/prefill.py --json` ({error})."
+            ) from None
+    return rows, machines
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        results, machines = saved_rows(args.from_json)
+        for machine in machines:
+            print(f"machine: {machine['cpu_model']} ({', '.join(machine['cpu_flags'])}), torch {machine['torch']}")
+        variants = list(dict.fromkeys(r.variant for r in results))
+        print(format_ttft_table(results, variants))
+        if args.plot:
+            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+            plot_ttft(results, args.plot)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]

@@ -359,16 +359,31 @@ def test_model_mistakes_are_one_line(capsys, no_measurement):
         assert ("Hub" in message or "does not exist" in message) and model in message
 
 
-def _prefill_script():
-    """benchmarks/prefill.py as a module."""
+def _prefill_script(name: str = "prefill"):
+    """benchmarks/<name>.py as a module."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill.py"
-    spec = importlib.util.spec_from_file_location("prefill_benchmark", path)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     return script
+
+
+def test_banded_flops_script_counts_the_band(capsys):
+    """benchmarks/banded_flops.py on the tiny model past the banded threshold: the band's time holds its SDPA calls'
+    time, its FLOPs are counted, and the patched functions are torch's and the package's again afterwards."""
+    import torch.nn.functional as F
+
+    from hybrid_cache import code_attention
+
+    sdpa, attention = F.scaled_dot_product_attention, code_attention.banded_attention
+    totals = _prefill_script("banded_flops").main(["--model", "tiny", "--context", "1200", "--threads", "1"])
+    assert 0 < totals["band_sdpa"] <= totals["band"] < totals["total"] and totals["band_flop"] > 0
+    assert F.scaled_dot_product_attention is sdpa and code_attention.banded_attention is attention
+    printed = capsys.readouterr().out
+    assert "machine:" in printed and "GFLOP/s in SDPA" in printed and "Python loop costs" in printed
 
 
 def test_ttft_benchmark_script_quick_defaults():
@@ -401,6 +416,16 @@ def test_ttft_benchmark_script_side_by_side(tmp_path, capsys):
         assert len(r["ttft_s"]) == 2 and r["ttft_s_median"] > 0 and r["same_token"], r
         assert r["max_abs_logit_diff"] < 1e-4 and r["peak_rss_delta_bytes"] >= 0
     assert plot.stat().st_size > 0
+    # --from-json: the same table from the saved rows, nothing measured; a file that is not one is one line
+    joined = tmp_path / "joined.png"
+    assert script.main(["--from-json", str(out), "--plot", str(joined)]) == 0
+    again = capsys.readouterr().out
+    saved = [line for line in again.splitlines() if line.startswith("float32")]
+    assert len(saved) == 2 and all(line in printed.splitlines() for line in saved)
+    assert joined.stat().st_size > 0
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit, match="bad.json' is not a file written by"):
+        script.main(["--from-json", str(tmp_path / "bad.json")])
 
 
 @pytest.mark.parametrize(
