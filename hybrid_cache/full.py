@@ -161,18 +161,16 @@ class StaticFullLayer(FixedCapacityCounters, StorageLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         query_length = key_states.shape[-2]
-        if self.tensor_steps:  # an exported program: its runner checked the capacity and advances the counter
-            positions = self.length_tensor + torch.arange(query_length, device=key_states.device)
-            self.slot_writes.index(self, "keys", positions, key_states)
-            self.slot_writes.index(self, "values", positions, value_states)
-            return self.keys, self.values
-        if not is_torchdynamo_compiling():  # shape checks read the counters: eager only
-            prepare_fixed_capacity_step(self, key_states, value_states)
-        positions = self.length_tensor + torch.arange(query_length, device=self.device)
-        self.note_write(self.length_tensor)
-        self.keys.index_copy_(2, positions, key_states)
-        self.values.index_copy_(2, positions, value_states)
-        self.length_tensor.add_(query_length)
+        # An exported program's layer (`tensor_steps`): its runner checked the capacity and advances the counter.
+        if not self.tensor_steps:
+            if not is_torchdynamo_compiling():  # shape checks read the counters: eager only
+                prepare_fixed_capacity_step(self, key_states, value_states)
+            self.note_write(self.length_tensor)
+        positions = self.length_tensor + torch.arange(query_length, device=self.keys.device)
+        self.slot_writes.index(self, "keys", positions, key_states)
+        self.slot_writes.index(self, "values", positions, value_states)
+        if not self.tensor_steps:
+            self.length_tensor.add_(query_length)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
