@@ -567,7 +567,7 @@ class StaticRingSlidingLayer(RingSlidingLayer):
         self.slot_writes.index(self, "values", slot, value_states)
         if not self.tensor_steps:
             self.length_tensor.add_(1)
-            torch.maximum(self.oldest_tensor, self.length_tensor - self.max_slots, out=self.oldest_tensor)
+            self.oldest_tensor.copy_(advance_oldest(self.oldest_tensor, self.length_tensor, self.max_slots))
         return self.keys, self.values
 
     def _tensor_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,8 @@ where a compiled step or an exported program passes its counters as tensors.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = [
@@ -48,9 +50,12 @@ def slot_positions(
     return (length - 1) - floor_mod((length - 1 - first) - slot_ids, capacity)
 
 
-def advance_oldest(oldest: int, length: int, capacity: int) -> int:
+def advance_oldest(oldest: int | torch.Tensor, length: int | torch.Tensor, capacity: int) -> Any:
     """The oldest position a ring of `capacity` slots still holds once `length` tokens were written (positions below
-    `oldest` were already overwritten, or rolled back)."""
+    `oldest` were already overwritten, or rolled back): an int for Python counters, a tensor for tensor counters (a
+    compiled step's)."""
+    if isinstance(oldest, torch.Tensor) or isinstance(length, torch.Tensor):
+        return torch.maximum(torch.as_tensor(oldest), torch.as_tensor(length) - capacity)
     return max(oldest, length - capacity)
 
 
