@@ -12,10 +12,8 @@ once; two graphs would each embed them).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,7 @@ import torch
 
 from ..errors import ProgramFormatError
 from .metadata import METADATA_KEY, ProgramMetadata
-from .step import ProgramModule
+from .step import ProgramModule, example_counters, exporter_quiet
 
 __all__ = ["OnnxBackend", "check_in_place", "export_onnx"]
 
@@ -41,13 +39,6 @@ class _Step(torch.nn.Module):
         return self.program.step(input_ids, start, oldest, *state)
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
 def export_onnx(module: ProgramModule, path: Path, metadata: ProgramMetadata, progress: Callable[[str], None]) -> None:
     """Export `module`'s step as one graph, check that its state can be bound in place, and write it to `path`."""
     import onnx
@@ -55,10 +46,10 @@ def export_onnx(module: ProgramModule, path: Path, metadata: ProgramMetadata, pr
 
     names = [name for name, _ in module.state()]
     state = tuple(tensor.clone() for _, tensor in module.state())
-    counters = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    counters = example_counters()
     example = torch.ones(1, min(metadata.chunk_size, 3), dtype=torch.long)
     progress("export: torch.export of the step (ONNX exporter, dynamic step length)")
-    with _quiet(), torch.no_grad():
+    with exporter_quiet(), torch.no_grad():
         exported = torch.onnx.export(
             _Step(module),
             (example, *counters, *state),

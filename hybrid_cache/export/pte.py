@@ -10,10 +10,8 @@ constant method (`metadata.METADATA_KEY`).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ import torch
 
 from ..errors import ProgramFormatError
 from .metadata import METADATA_KEY, ProgramMetadata
-from .step import ProgramModule, state_names
+from .step import ProgramModule, example_counters, exporter_quiet, state_names
 
 __all__ = ["ExecuTorchBackend", "export_pte"]
 
@@ -49,15 +47,6 @@ class _Reset(torch.nn.Module):
         return self.program.reset()
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """ExecuTorch's and torch.export's warnings about their own internals (deprecations, unused torchao kernels) are
-    not the user's to act on."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
 def export_pte(module: ProgramModule, path: Path, metadata: ProgramMetadata, progress: Callable[[str], None]) -> None:
     """Export `module`'s three methods, lower them to XNNPACK and write the `.pte` at `path`."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -66,9 +55,9 @@ def export_pte(module: ProgramModule, path: Path, metadata: ProgramMetadata, pro
     from torch.export import Dim, export
 
     one = torch.ones(1, dtype=torch.long)
-    counters = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    counters = example_counters()
     chunk_ids = one.repeat(1, min(metadata.chunk_size, 3))
-    with _quiet(), torch.no_grad():
+    with exporter_quiet(), torch.no_grad():
         progress("export: torch.export of the decode, chunk and reset steps")
         programs = {
             "decode": export(_Step(module), (one.view(1, 1), *counters), strict=False),

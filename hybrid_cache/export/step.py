@@ -21,6 +21,8 @@ traced as a constant and its writes lost.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,12 +32,26 @@ from ..cache import HybridRingCache
 from ..compat import cache_kwargs
 from ..storage import SlotWrites
 
-__all__ = ["EagerBackend", "FunctionalWrites", "ProgramModule", "state_names"]
+__all__ = ["EagerBackend", "FunctionalWrites", "ProgramModule", "example_counters", "exporter_quiet", "state_names"]
 
 
 def state_names(layer_idx: int) -> tuple[str, str]:
     """The names of layer `layer_idx`'s keys and values in the program (buffers, or ONNX inputs / outputs)."""
     return f"keys_{layer_idx}", f"values_{layer_idx}"
+
+
+def example_counters() -> tuple[torch.Tensor, torch.Tensor]:
+    """Example `start` and `oldest` inputs `[1]` of a step, to trace a program with."""
+    return torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+
+
+@contextlib.contextmanager
+def exporter_quiet() -> Iterator[None]:
+    """The exporters' warnings about their own internals (ExecuTorch's and torch.export's deprecations, unused torchao
+    kernels, the ONNX exporter's notes) are not the user's to act on: silenced while a program is traced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 class FunctionalWrites(SlotWrites):

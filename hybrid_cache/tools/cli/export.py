@@ -53,8 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_arguments(args: argparse.Namespace) -> Path:
+    from hybrid_cache.export import RUNTIMES  # the suffixes `export_program` takes
+
     path = Path(args.output)
-    if path.suffix not in (".pte", ".onnx"):
+    if path.suffix not in RUNTIMES:
         _fail(f"{path}: the format comes from the suffix, .pte (ExecuTorch) or .onnx (ONNX Runtime)")
     for name in ("max_cache_len", "chunk_size", "max_new_tokens"):
         if getattr(args, name) < 1:
