@@ -27,10 +27,10 @@ is transformers' own chunked prefill of the same result:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from .compat import CHUNKED_PREFILL_CONTINUES_SINCE, TRANSFORMERS_VERSION, cache_from_kwargs
+from .generate_wrapper import GenerateWrapper, require_generate
 
 __all__ = ["PREFILL_STEP", "SteppedGenerate", "disable_prefill_steps", "enable_prefill_steps", "prefill_steps_of"]
 
@@ -57,7 +57,7 @@ def _multimodal_keys() -> tuple[str, ...]:
     return tuple(dict.fromkeys((*_MULTIMODAL, *keys)))
 
 
-class SteppedGenerate:
+class SteppedGenerate(GenerateWrapper):
     """The `generate` that `enable_prefill_steps` puts on a model instance (the module docstring has the contract).
 
     Attributes:
@@ -70,14 +70,9 @@ class SteppedGenerate:
     """
 
     def __init__(self, model: Any, attention: str, step: int, previous: Any) -> None:
-        self.model, self.attention, self.step, self.previous = model, attention, step, previous
+        super().__init__(model, previous)
+        self.attention, self.step = attention, step
         self.active, self.steps_given = True, 0
-        functools.update_wrapper(self, type(model).generate)
-
-    def _inner(self) -> Any:
-        if self.previous is not None:
-            return self.previous
-        return type(self.model).generate.__get__(self.model, type(self.model))
 
     def wants_steps(self, kwargs: dict[str, Any]) -> bool:
         """Whether a call with `kwargs` gets `prefill_chunk_size=step` (see the module docstring)."""
@@ -106,7 +101,7 @@ class SteppedGenerate:
         if self.wants_steps(kwargs):
             kwargs["prefill_chunk_size"] = self.step
             self.steps_given += 1
-        return self._inner()(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def __repr__(self) -> str:
         state = "active" if self.active else "inactive"
@@ -135,10 +130,7 @@ def enable_prefill_steps(model: Any, attention: str, step: int = PREFILL_STEP) -
         TypeError: `model` has no `generate`.
         ValueError: `step` is not a positive int.
     """
-    if not callable(getattr(model, "generate", None)) or not hasattr(type(model), "generate"):
-        raise TypeError(
-            f"enable_prefill_steps expects a transformers model with `generate`, got {type(model).__name__}"
-        )
+    require_generate(model, "enable_prefill_steps")
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise ValueError(f"the prefill step must be a positive int, got {step!r}")
     current = prefill_steps_of(model)

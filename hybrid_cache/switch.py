@@ -31,18 +31,18 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from .cache import HybridRingCache
 from .compat import CACHE_KEYWORD, cache_from_kwargs
+from .generate_wrapper import GenerateWrapper, require_generate
 
 __all__ = ["RingGenerate", "disable", "enable", "is_enabled"]
 
 _MISSING = object()
 
 
-class RingGenerate:
+class RingGenerate(GenerateWrapper):
     """The `generate` that `enable` puts on a model instance (see the module docstring for the contract).
 
     Attributes:
@@ -53,16 +53,9 @@ class RingGenerate:
     """
 
     def __init__(self, model: Any, cache_options: dict[str, Any], previous: Any) -> None:
-        self.model = model
+        super().__init__(model, previous)
         self.cache_options = dict(cache_options)
-        self.previous = previous
         self.caches_built = 0
-        functools.update_wrapper(self, type(model).generate)
-
-    def _inner(self) -> Any:
-        if self.previous is not None:
-            return self.previous
-        return type(self.model).generate.__get__(self.model, type(self.model))
 
     def wants_ring(self, kwargs: dict[str, Any]) -> bool:
         """Whether a call with `kwargs` gets a fresh ring cache (no cache of its own, cache on, no named kind)."""
@@ -96,7 +89,7 @@ class RingGenerate:
                 kwargs.pop(name, None)  # explicit None: replaced by the ring
             kwargs[CACHE_KEYWORD] = HybridRingCache.for_model(self.model, **self.cache_options)
             self.caches_built += 1
-        return self._inner()(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<hybrid_cache RingGenerate of {type(self.model).__name__}, cache options {self.cache_options}>"
@@ -119,10 +112,7 @@ def enable(model: Any, **cache_options: Any) -> Any:
         ValueError: the model's config cannot be served by `HybridRingCache` (the message says why), or an option
             value is refused.
     """
-    if not callable(getattr(model, "generate", None)) or not hasattr(type(model), "generate"):
-        raise TypeError(
-            f"hybrid_cache.enable expects a transformers model with a `generate` method, got {type(model).__name__}."
-        )
+    require_generate(model, "hybrid_cache.enable")
     HybridRingCache.for_model(model, **cache_options)  # refuse bad options and unsupported configs now
     current = model.__dict__.get("generate")
     previous = current.previous if isinstance(current, RingGenerate) else current

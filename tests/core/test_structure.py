@@ -25,6 +25,7 @@ CORE_MODULES = (
     "errors",
     "frozen",
     "full",
+    "generate_wrapper",
     "mask_hook",
     "memory",
     "options",
