@@ -139,16 +139,11 @@ def banded_prefill(
         ):
             raise BandedMaskError(f"banded_prefill: {name} must be a positive int, got {value!r}.")
     previous = replace(_settings)
-    _settings.min_query_length, _settings.block_size, _settings.key_alignment = (
-        min_query_length,
-        block_size,
-        key_alignment,
-    )
+    vars(_settings).update(values)
     try:
         yield
     finally:
-        _settings.min_query_length = previous.min_query_length
-        _settings.block_size, _settings.key_alignment = previous.block_size, previous.key_alignment
+        vars(_settings).update(vars(previous))
 
 
 # --- the bound: which keys a query may see, read from the mask function's structure -----------------------------------
