@@ -213,28 +213,20 @@ class HybridRingCache(Cache):
         """A cache for `model` as this process runs it (under pipeline parallelism: its stage's layers only)."""
         return cls(model.config, stage_layers=stage_layers(model), **kwargs)
 
-    # --- guarded entry points -------------------------------------------------------------------------------------
+    # --- guarded entry points (under `torch.compile`, inside the graph or not: `_in_graph`) ---------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = _layer_to_update(self, layer_idx)
-        if is_torchdynamo_compiling():  # the checks read Python counters; compiled steps were checked eagerly
-            return layer.update(key_states, value_states, *args, **kwargs)
-        steps = self._steps
-        later_layer = not steps.journal.starts_step(layer_idx)  # of a step that already wrote
-        try:
-            steps.admit(self, layer_idx, key_states.shape[-2], kwargs, check_ring_attention_supported)
-            previous = layer.step_bookkeeping() if steps.journal.journaling else None
-            codes = {"return_codes": self.attends_on_codes()} if _can(layer, "attends_on_codes") else {}
-            keys, values = layer.update(key_states, value_states, *args, **codes, **kwargs)
-        except BaseException:
-            if later_layer:
-                steps.journal.abandon(self.layers)  # the step's earlier writes go back now
-            raise
-        if hasattr(keys, "history"):  # attention on the codes: a refusal there undoes the step
-            keys.history.on_refusal = steps.journal.fail
-        steps.journal.stored(layer_idx, previous)
-        return keys, values
+        if is_torchdynamo_compiling():
+            if _in_graph(layer, key_states.shape[-2]):  # no Python bookkeeping in the graph: its checks are ops
+                if not _can(layer, "tensor_steps"):  # an exported program's runner admits its steps itself
+                    key_states, value_states = self._steps.admit_in_graph(
+                        self.layers, layer_idx, key_states, value_states, self.max_cache_len
+                    )
+                return layer.update(key_states, value_states, *args, **kwargs)
+            return _update_outside_graph(self, key_states, value_states, layer_idx, *args, **kwargs)
+        return _admitted_update(self, key_states, value_states, layer_idx, *args, **kwargs)
 
     def attends_on_codes(self) -> bool:
         """Whether compressed full layers return their codes (`full_layer_code_attention`, default: the model's)."""
@@ -247,16 +239,21 @@ class HybridRingCache(Cache):
         self, query_length: int, layer_idx: int
     ) -> tuple[int, int | RingLayout]:
         layer_idx = _storing_layer_index(self, layer_idx)
-        if not is_torchdynamo_compiling():  # masks are built before a forward's first write (`steps.py`)
-            self._steps.masks_requested(self.layers, query_length, self.get_seq_length)
-        kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
-        return kv_length, _annotated_offset(self, layer_idx, query_length, kv_offset)
+        if is_torchdynamo_compiling():
+            if _in_graph(self.layers[layer_idx], query_length):
+                kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
+                return kv_length, _annotated_offset(self, layer_idx, query_length, kv_offset)
+            return _mask_sizes_outside_graph(self, query_length, layer_idx)
+        return _requested_mask_sizes(self, query_length, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens held, not counting a step a failed forward left half-written (undone at the next call)."""
         layer_idx = _storing_layer_index(self, layer_idx)
-        length = super().get_seq_length(layer_idx)
-        return length if is_torchdynamo_compiling() else length - self._steps.journal.uncommitted(layer_idx)
+        if is_torchdynamo_compiling():
+            if _in_graph(self.layers[layer_idx], 1):  # a tensor counter, read as a snapshot (`tensor_counter`)
+                return super().get_seq_length(layer_idx)
+            return _seq_length_outside_graph(self, layer_idx)
+        return _held_length(self, layer_idx)
 
     def key_positions(self, layer_idx: int) -> torch.Tensor:
         """Absolute position of every key layer `layer_idx` returned in the last step, in the order the attention saw
@@ -375,13 +372,75 @@ def _storing_layer_index(cache: HybridRingCache, layer_idx: int) -> int:
     return layer_idx
 
 
+def _in_graph(layer: Any, query_length: int) -> bool:
+    """Whether a step of `query_length` tokens of `layer` runs inside a graph being traced, or leaves it: the entry
+    points then run eagerly (`torch.compiler.disable`, a graph break), with every check and the step's journal, as
+    without compile. Which one is a function of the storage and the step alone, never of which frames Dynamo happens
+    to trace, so a forward whose frames are partly compiled and partly eager (graph breaks, the recompile limit)
+    still gets one layout per step. Inside the graph: an exported program's
+    layers (`tensor_steps`: every step is tensor arithmetic of the program's counters) and the fixed mode's one-token
+    steps (`is_compileable`: static buffers and tensor counters, one graph for every decode step). Every other step
+    (the growing mode's; the fixed mode's prompts and chunks, whose layout and bookkeeping follow the counters'
+    values) runs eagerly, outside the graph, with all its checks."""
+    return _can(layer, "tensor_steps") or (query_length == 1 and _can(layer, "is_compileable"))
+
+
+_OUTSIDE_GRAPH = (
+    "HybridRingCache runs this step eagerly, outside the compiled graph: only one-token steps of a cache with a fixed "
+    "capacity compile into it (the growing mode and multi-token steps keep their eager checks and layouts). For a "
+    "fullgraph decode step, build the cache with HybridRingCache(config, max_cache_len=...)."
+)
+
+
+def _admitted_update(
+    cache: HybridRingCache,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    layer_idx: int,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`update` with its eager checks and the step's journal (`steps.StepAdmission`)."""
+    layer, steps = cache.layers[layer_idx], cache._steps
+    later_layer = not steps.journal.starts_step(layer_idx)  # of a step that already wrote
+    try:
+        steps.admit(cache, layer_idx, key_states.shape[-2], kwargs, check_ring_attention_supported)
+        previous = layer.step_bookkeeping() if steps.journal.journaling else None
+        codes = {"return_codes": cache.attends_on_codes()} if _can(layer, "attends_on_codes") else {}
+        keys, values = layer.update(key_states, value_states, *args, **codes, **kwargs)
+    except BaseException:
+        if later_layer:
+            steps.journal.abandon(cache.layers)  # the step's earlier writes go back now
+        raise
+    if hasattr(keys, "history"):  # attention on the codes: a refusal there undoes the step
+        keys.history.on_refusal = steps.journal.fail
+    steps.journal.stored(layer_idx, previous)
+    return keys, values
+
+
+def _requested_mask_sizes(cache: HybridRingCache, query_length: int, layer_idx: int) -> tuple[int, Any]:
+    """`get_mask_sizes` with the step's eager bookkeeping: masks are built before the step's first write."""
+    cache._steps.masks_requested(cache.layers, query_length, cache.get_seq_length)
+    kv_length, kv_offset = Cache.get_mask_sizes(cache, query_length, layer_idx)
+    return kv_length, _annotated_offset(cache, layer_idx, query_length, kv_offset)
+
+
+def _held_length(cache: HybridRingCache, layer_idx: int) -> int:
+    """`get_seq_length` without a step a failed forward left half-written."""
+    length = Cache.get_seq_length(cache, layer_idx)
+    return length - cache._steps.journal.uncommitted(layer_idx, cache.layers)
+
+
+# The same three, run eagerly when reached from a graph being traced (a graph break): see `HybridRingCache.update`.
+_update_outside_graph = torch.compiler.disable(_admitted_update, reason=_OUTSIDE_GRAPH)
+_mask_sizes_outside_graph = torch.compiler.disable(_requested_mask_sizes, reason=_OUTSIDE_GRAPH)
+_seq_length_outside_graph = torch.compiler.disable(_held_length, reason=_OUTSIDE_GRAPH)
+
+
 def _layer_to_update(cache: HybridRingCache, layer_idx: int) -> StorageLayer:
     """The layer `update()` writes, or raise when the cache does not hold it."""
-    if layer_idx >= len(cache.layers):
-        raise IndexError(
-            f"update() for layer {layer_idx}, but the config declares {len(cache.layers)} layers. The cache was "
-            f"built from another model's config."
-        )
+    if layer_idx >= len(cache.specs) or len(cache.layers) != len(cache.specs):
+        _refuse_undeclared_layers(cache, layer_idx)
     if not cache.specs[layer_idx].stores:
         _refuse_update_of_empty_layer(cache.specs[layer_idx])
     return cache.layers[layer_idx]
@@ -400,11 +459,33 @@ def _annotated_offset(
     sliding_request = not _can(layer, "drops_tokens_by_design") and (FULL in cache.layer_kinds or None)
     columns = layer.get_seq_length() + query_length if not is_torchdynamo_compiling() else None
     kv_offset = annotate_offset(kv_offset, columns_needed=columns, sliding_request=sliding_request, dense=dense)
-    if isinstance(kv_offset, RingLayout) and not is_torchdynamo_compiling():
+    if isinstance(kv_offset, RingLayout) and is_torchdynamo_compiling():
+        cache._steps.layouts.served_in_graph(layer.cumulative_length, query_length)
+    elif isinstance(kv_offset, RingLayout):
         # Only a wrapped ring needs the hook: check now that it will be the one serving this mask.
         check_ring_attention_supported(attention)
         cache._steps.layouts.issue(layer_idx, (layer.cumulative_length, query_length), kv_offset)
     return kv_offset
+
+
+def _refuse_undeclared_layers(cache: HybridRingCache, layer_idx: int) -> None:
+    """`update()` for a layer the config does not declare, or after the model changed `cache.layers` (a model that
+    appends cache layers of its own, e.g. per-loop copies of recurrent layers): refused before this layer writes
+    anything, with `cache.layers` put back as the cache built it."""
+    declared = len(cache.specs)
+    appended = len(cache.layers) - declared
+    if appended > 0:
+        del cache.layers[declared:]  # what the model appended; the cache's own layers stay as they are
+    model_type = getattr(cache.config, "model_type", type(cache.config).__name__)
+    changed = f"appended {appended} cache layer(s) to `cache.layers` and " if appended > 0 else ""
+    if appended < 0:
+        changed = f"removed {-appended} layer(s) from `cache.layers` and "
+    raise IndexError(
+        f"The {model_type!r} model {changed}called update() for layer {layer_idx}, but its config declares "
+        f"{declared} layers (0..{declared - 1}), the layers HybridRingCache holds: the model writes cache layers "
+        f"its config does not declare, or the cache was built from another model's config. Use "
+        f"`DynamicCache(config=...)` for this model."
+    )
 
 
 def _refuse_update_of_empty_layer(spec: LayerSpec) -> None:

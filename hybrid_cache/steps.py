@@ -60,20 +60,38 @@ from .errors import (
 from .state import StateHolder
 
 __all__ = [
+    "GRAPH_CAPACITY",
+    "GRAPH_INCOMPLETE_STEP",
     "IssuedLayouts",
     "StepAdmission",
     "StepJournal",
+    "behind_first_layer",
     "check_assisted_start",
     "check_capacity",
     "check_code_attention",
     "check_mask_covers",
     "check_prepared_mask_width",
+    "held_lengths",
     "refuse_empty_step",
     "refuse_unheld_key",
 ]
 
 
 # --- the rules ---------------------------------------------------------------------------------------------------
+#: What a compiled step's in-graph checks raise (`StepAdmission.admit_in_graph`), as `RuntimeError`s.
+GRAPH_CAPACITY = (
+    "HybridRingCache: this compiled step does not fit: the full-attention layers were allocated for max_cache_len "
+    "tokens, all held. Nothing was written. Create the cache with a larger `max_cache_len` (prompt + "
+    "max_new_tokens)."
+)
+GRAPH_INCOMPLETE_STEP = (
+    "HybridRingCache: its layers hold different numbers of tokens: a forward failed after some layers stored its "
+    "step. Nothing was written by this one. Call `cache.reset()` to start over, `cache.restore(checkpoint)` to go "
+    "back to a checkpoint, or run the next step without torch.compile, whose checks undo the failed step where "
+    "they can."
+)
+
+
 def refuse_empty_step(cached_tokens: int, holder: str = "HybridRingCache") -> None:
     """Raise `ConversationMismatchError` for a step with no new tokens (`get_mask_sizes(0, ...)`; an exported
     program's runner, `holder="the program"`)."""
@@ -177,7 +195,7 @@ def refuse_unheld_key(missing: int, held_text: str, model_window: int | None) ->
     )
 
 
-def check_prepared_mask_width(layer: Any, layer_idx: int, query_length: int, caller_depth: int = 2) -> None:
+def check_prepared_mask_width(layer: Any, layer_idx: int, query_length: int) -> None:
     """Refuse a step whose prepared 4D attention mask does not have the width of the keys `layer` will return for it,
     before the layer writes anything (`PreparedMaskError`, naming both widths).
 
@@ -185,15 +203,13 @@ def check_prepared_mask_width(layer: Any, layer_idx: int, query_length: int, cal
     straight to the attention: neither the mask creation nor the cache sees it, and a wrong width ends in a bare
     tensor-shape error inside attention, or, for a width of 1, in a silent broadcast. The attention module passes
     its mask to the attention function, not to `cache.update`, so it is read from the calling frame's local
-    `attention_mask` (`caller_depth` frames up from here: the attention forward that called `update`); when the caller
-    has no such local (a model that updates the cache elsewhere), nothing is checked. Masks built by the hook have the
+    `attention_mask` (`_caller_of_cache`: the attention forward that called `update`); when the caller has no such
+    local (a model that updates the cache elsewhere), nothing is checked. Masks built by the hook have the
     right width by construction; only a tensor `[..., kv_length]` or a `BandedMask` (its `kv_length`) is compared (flex
     attention's `BlockMask` is not).
     """
-    try:
-        mask = sys._getframe(caller_depth).f_locals.get("attention_mask")
-    except ValueError:  # fewer frames than that: not called from an attention module
-        return
+    caller = _caller_of_cache()
+    mask = caller.f_locals.get("attention_mask") if caller is not None else None
     if isinstance(mask, BandedMask):
         width = mask.kv_length
     elif isinstance(mask, torch.Tensor) and mask.ndim == 4:
@@ -212,6 +228,17 @@ def check_prepared_mask_width(layer: Any, layer_idx: int, query_length: int, cal
             f"masks for this cache, or build the prepared masks from this cache right before the step "
             f"(`create_masks_for_generate(..., cache=cache)`)."
         )
+
+
+def _caller_of_cache() -> Any:
+    """The innermost frame outside this package and torch's compiler wrappers (`torch.compiler.disable` runs a cache
+    step outside a compiled graph through them): the model code that called the cache, or None."""
+    frame: Any = sys._getframe(1)
+    while frame is not None and (
+        frame.f_globals.get("__name__", "").startswith(("hybrid_cache.", "torch._dynamo", "torch.compiler"))
+    ):
+        frame = frame.f_back
+    return frame
 
 
 def _newest_position(update_kwargs: Mapping[str, Any]) -> int | None:
@@ -242,6 +269,14 @@ class IssuedLayouts:
         self._layouts: dict[int, Any] = {}
         self._step: tuple[int, int] | None = None
         self.verified: tuple[int, int] | None = None  # the step whose served layouts were checked
+        # `(cache length, query length)` of the last step whose ring layouts a compiled graph built (its hook, traced,
+        # served them; the length a 0-d tensor of that graph's): see `served_in_graph`.
+        self._in_graph: tuple[Any, int] | None = None
+
+    def served_in_graph(self, length: torch.Tensor, query_length: int) -> None:
+        """A compiled graph built the masks of the step `(length, query_length)`: nothing is issued while tracing, so
+        a layer of that step run eagerly (a frame Dynamo did not compile) takes the graph's masks as served."""
+        self._in_graph = (length, query_length)
 
     def issue(self, layer_idx: int, step: tuple[int, int], layout: Any) -> None:
         if step != self._step:
@@ -252,6 +287,10 @@ class IssuedLayouts:
         """Raise unless the layouts announced for `step` were all served by the hook (checked once per step)."""
         if self.verified == step:
             return  # a later layer of the step whose layouts the first one verified
+        graph_step, self._in_graph = self._in_graph, None
+        if graph_step is not None and (int(graph_step[0]), graph_step[1]) == step:
+            self.verified = step  # masks built inside a compiled graph, by the traced hook
+            return
         layouts, self._layouts = self._layouts, {}  # checked once; do not keep their tensors alive
         if not layouts or not all(layout.served for layout in layouts.values()) or self._step != step:
             raise PreparedMaskError(
@@ -264,6 +303,18 @@ class IssuedLayouts:
 
 
 # --- the journal -------------------------------------------------------------------------------------------------
+def held_lengths(layers: Sequence[Any], storing: Sequence[int]) -> dict[int, int]:
+    """The tokens each storing layer holds, by index."""
+    return {index: int(layers[index].get_seq_length()) for index in storing}
+
+
+def behind_first_layer(layers: Sequence[Any], storing: Sequence[int], layer_idx: int) -> bool:
+    """Whether layer `layer_idx` holds fewer tokens than the first storing layer: it is catching up with a step that
+    the layers before it stored already (inside a compiled graph, when the journal did not see them)."""
+    first = storing[0] if storing else layer_idx
+    return layer_idx != first and int(layers[layer_idx].get_seq_length()) < int(layers[first].get_seq_length())
+
+
 class StepJournal:
     """The storing layers that wrote the open step (with their previous step's bookkeeping), and whether that step is
     known to have failed.
@@ -274,20 +325,36 @@ class StepJournal:
 
     written: list[int]  # the storing layers that stored the open step, in order
     broken: str | None  # why the cache cannot continue (a dead step it could not undo)
+    complete: bool  # every storing layer stored the open step
+    failed: bool  # the open step was refused after some layers stored it
+    _previous: dict[int, Any]  # each journaled layer's step bookkeeping from before the open step
 
     def __init__(self, storing: Sequence[int]) -> None:
         self.storing = tuple(storing)
         self.forget()
 
-    @property
-    def open(self) -> bool:
-        """Whether the last step is dead: some layers stored it and it did not complete, or it failed after that."""
-        return bool(self.written) and (self.failed or not self.complete)
+    def is_open(self, layers: Sequence[Any]) -> bool:
+        """Whether the last step is dead: some layers stored it and it did not complete, or it failed after that.
 
-    def uncommitted(self, layer_idx: int) -> int:
+        A step the journal saw only part of is not dead when every storing layer of `layers` holds it: the other
+        layers stored it inside a compiled graph (`HybridRingCache`'s one-token steps with a fixed capacity), where
+        nothing is journaled; the step is then complete."""
+        if not self.written or (self.complete and not self.failed):
+            return False
+        if not self.failed and len(set(held_lengths(layers, self.storing).values())) == 1:
+            self.complete, self._previous = True, {}
+            return False
+        return True
+
+    def uncommitted(self, layer_idx: int, layers: Sequence[Any]) -> int:
         """Tokens of a dead step that layer `layer_idx` holds (0 when the last step is not dead or it did not store
         it)."""
-        return self.query_length if self.open and layer_idx in self.written else 0
+        return self.query_length if layer_idx in self.written and self.is_open(layers) else 0
+
+    def untrack(self) -> None:
+        """The open step reached a layer behind the first storing one: its earlier layers stored it inside a compiled
+        graph (nothing journaled), so it is not journaled either; it is complete once every layer stored it."""
+        self.written, self.complete, self.failed, self.tracking, self._previous = [], False, False, False, {}
 
     def starts_step(self, layer_idx: int) -> bool:
         """Whether an update of `layer_idx` begins a new step (the last one completed, failed, or already reached
@@ -303,7 +370,7 @@ class StepJournal:
     def begin(self, query_length: int) -> None:
         self.written, self.query_length, self.complete, self.failed = [], query_length, False, False
         self.tracking, self.armed = self.armed, False
-        self._previous: dict[int, Any] = {}
+        self._previous = {}
 
     @property
     def journaling(self) -> bool:
@@ -344,18 +411,28 @@ class StepJournal:
         """Undo a dead step in `layers` (the cache's), or raise `IncompleteStepError` when it cannot be undone."""
         if self.broken is not None:
             raise IncompleteStepError(self.broken)
-        if not self.open:
-            return
         written, count = list(self.written), self.query_length
+        lengths = held_lengths(layers, self.storing)
+        floor = min(lengths.values(), default=0)
+        if not written or (self.complete and not self.failed):
+            # No journaled step is open: a step that failed inside a compiled graph shows in the lengths alone.
+            if floor == max(lengths.values(), default=0):
+                return
+            written, count = [], max(lengths.values()) - floor
+        elif not self.is_open(layers):
+            return
+        unseen = [index for index, length in lengths.items() if length > floor and index not in written]
         try:
+            if unseen:  # stored inside a compiled graph, which keeps nothing to undo a step with
+                raise RollbackError(f"layers {unseen} stored it inside a compiled graph, which keeps no undo record")
             for index in written:
                 layers[index].check_crop(-count)
         except RollbackError as error:
             self.broken = (
-                f"A forward failed after layers {written} of {list(self.storing)} stored its {count} tokens, and "
-                f"they cannot be taken back exactly ({error}). The cache cannot continue this sequence: call "
-                f"`cache.reset()` to start over, `cache.restore(checkpoint)` to go back to a checkpoint, or load a "
-                f"saved cache (`HybridRingCache.load`)."
+                f"A forward failed after layers {sorted(written + unseen)} of {list(self.storing)} stored its {count} "
+                f"tokens, and they cannot be taken back exactly ({error}). The cache cannot continue this sequence: "
+                f"call `cache.reset()` to start over, `cache.restore(checkpoint)` to go back to a checkpoint, or load "
+                f"a saved cache (`HybridRingCache.load`)."
             )
             raise IncompleteStepError(self.broken) from None
         for index in written:
@@ -412,11 +489,14 @@ class StepAdmission:
         layers, journal = cache.layers, self.journal
         attention = getattr(cache.config, "_attn_implementation", None)
         code_attention_option = cache.options.full_layer_code_attention
-        check_prepared_mask_width(layers[layer_idx], layer_idx, query_length, caller_depth=3)
+        check_prepared_mask_width(layers[layer_idx], layer_idx, query_length)
         if self.assisted_start:  # the first step of an assisted generate on held tokens
             check_assisted_start(self.assisted_start, query_length, _newest_position(update_kwargs))
             self.assisted_start = 0
         starts = journal.starts_step(layer_idx)
+        if starts and behind_first_layer(layers, journal.storing, layer_idx):
+            journal.untrack()  # the step's earlier layers stored it inside a compiled graph: it was admitted there
+            starts = False
         if starts:
             journal.settle(layers)
             for layer in layers:  # fixed capacity (`max_cache_len`): refused here, not after the rings wrote
@@ -426,6 +506,35 @@ class StepAdmission:
         self._check_ring_mask_was_built(layers, layer_idx, query_length, attention, attention_supported)
         if starts:
             journal.begin(query_length)
+
+    def admit_in_graph(
+        self,
+        layers: Sequence[Any],
+        layer_idx: int,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        max_cache_len: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checks of a step that runs inside a compiled graph (`HybridRingCache`'s fixed-mode one-token steps), as
+        graph ops at its first storing layer: every storing layer holds the same tokens (a forward that failed
+        partway inside a graph left a step that no record can undo) and the step fits `max_cache_len`. Returns the
+        layer's new keys and values, which a failed check makes unreadable (an index out of range), so that no write
+        of the step can come before the check: with the `eager` backend the check raises `RuntimeError` with one of
+        the messages above first (fixed when the graph is built: no counts); inductor reports the index. Nothing is
+        written either way."""
+        storing = self.journal.storing
+        if not storing or layer_idx != storing[0]:
+            return key_states, value_states
+        lengths = torch.stack([torch.as_tensor(layers[index].get_seq_length()) for index in storing])
+        consistent = (lengths == lengths[0]).all()
+        torch._assert_async(consistent, GRAPH_INCOMPLETE_STEP)
+        admitted = consistent
+        if max_cache_len is not None:
+            fits = lengths[0] + key_states.shape[-2] <= max_cache_len
+            torch._assert_async(fits, GRAPH_CAPACITY)
+            admitted = admitted & fits
+        rows = torch.arange(key_states.shape[-2], device=key_states.device) + (~admitted).long() * key_states.shape[-2]
+        return key_states.index_select(-2, rows), value_states.index_select(-2, rows)
 
     def _check_ring_mask_was_built(
         self,

@@ -115,15 +115,17 @@ def same_layout(layer: StorageLayer, key_states: torch.Tensor, value_states: tor
 
 
 def tensor_counter(tensor_name: str) -> property:
-    """A Python-int view of a 0-d counter tensor; the tensor itself while compiling.
+    """A Python-int view of a 0-d counter tensor; while compiling, a copy of the tensor.
 
     Compiled decode steps must never specialize on a Python integer that changes every step (transformers #44609):
-    the fixed-capacity layers keep their counters in tensors with static addresses, updated in place.
+    the fixed-capacity layers keep their counters in tensors with static addresses, updated in place. What the getter
+    returns is a snapshot in both cases: the counter's value when read, not a view that a later write in the same
+    graph (the step's own advance) would change under its reader.
     """
 
     def getter(self: Any) -> int | torch.Tensor:
         tensor = getattr(self, tensor_name)
-        return tensor if is_torchdynamo_compiling() else int(tensor)
+        return tensor.clone() if is_torchdynamo_compiling() else int(tensor)
 
     def setter(self: Any, value: int) -> None:
         getattr(self, tensor_name).fill_(value)
