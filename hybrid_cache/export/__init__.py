@@ -19,13 +19,15 @@ docs/export.md says how it is built, what it measures and what it leaves out.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..code_attention import CODE_ATTENTION
 from ..errors import ProgramFormatError
 from .metadata import ProgramMetadata
 from .program import Program
@@ -67,7 +69,12 @@ def export_program(
     one program at `path`: `.pte` (torch.export, lowered to XNNPACK, for ExecuTorch's runtime) or `.onnx` (torch's
     ONNX exporter, for ONNX Runtime). Sliding layers hold exactly `sliding_window` slots (`+ rollback_margin`), full
     layers `max_cache_len`, KV-shared layers nothing. Prompts are fed in steps of at most `chunk_size` tokens.
-    `progress` is told each stage (export, lowering, writing)."""
+    `progress` is told each stage (export, lowering, writing).
+
+    The program's masks are sdpa's (or eager's, for a model on `"eager"`). A model on `"hybrid_cache_sdpa"` (what
+    `hybrid_cache.tools.models.load_model` gives; its results are sdpa's) is switched to `"sdpa"` for the export and
+    switched back afterwards, also when the export fails; any other attention implementation is refused
+    (`ValueError`)."""
     path = Path(os.fspath(path))
     runtime = _runtime(path)
     if chunk_size < 2 or max_cache_len < 1 or rollback_margin < 0:
@@ -77,22 +84,39 @@ def export_program(
         )
     tell = progress or (lambda message: None)
     began = time.perf_counter()
-    module = ProgramModule(model.eval(), max_cache_len, rollback_margin, functional=runtime == "onnx")
-    metadata = ProgramMetadata.describe(model, module, runtime, max_cache_len, chunk_size)
-    note = None
-    if metadata.window is None:
-        note = "no sliding_attention layers: every layer keeps max_cache_len slots (a plain static cache)"
-        tell(note)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if runtime == "executorch":
-        from .pte import export_pte
+    with _sdpa_masks(model):
+        module = ProgramModule(model.eval(), max_cache_len, rollback_margin, functional=runtime == "onnx")
+        metadata = ProgramMetadata.describe(model, module, runtime, max_cache_len, chunk_size)
+        note = None
+        if metadata.window is None:
+            note = "no sliding_attention layers: every layer keeps max_cache_len slots (a plain static cache)"
+            tell(note)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if runtime == "executorch":
+            from .pte import export_pte
 
-        export_pte(module, path, metadata, tell)
-    else:
-        from .onnxrt import export_onnx
+            export_pte(module, path, metadata, tell)
+        else:
+            from .onnxrt import export_onnx
 
-        export_onnx(module, path, metadata, tell)
+            export_onnx(module, path, metadata, tell)
     return ExportReport(path, runtime, path.stat().st_size, time.perf_counter() - began, module.slots(), note)
+
+
+@contextlib.contextmanager
+def _sdpa_masks(model: Any) -> Iterator[None]:
+    """Within the block, a model on hybrid_cache's attention (`CODE_ATTENTION`, `load_model`'s default) runs `"sdpa"`:
+    the same results, and the masks the program is built with (`step.ProgramModule` takes sdpa's or eager's). Its own
+    attention comes back on exit, also after an exception; any other model is left as it is."""
+    previous = getattr(model.config, "_attn_implementation", None)
+    if previous != CODE_ATTENTION:
+        yield
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def load_program(path: str | os.PathLike, threads: int | None = None) -> Program:

@@ -42,7 +42,8 @@ class ProgramMetadata:
         ring_slots: slots of each sliding layer (`sliding_window + rollback_margin`; `max_cache_len` without rings).
         layers: every decoder layer.
         eos_token_ids: where `generate` stops by default.
-        vocab_size, dtype, model_type: the model's.
+        vocab_size: the model's; the runner refuses a token id outside `[0, vocab_size)` before any step.
+        dtype, model_type: the model's.
     """
 
     runtime: str
@@ -107,6 +108,14 @@ class ProgramMetadata:
         try:
             layers = tuple(LayerInfo(**layer) for layer in fields.pop("layers"))
             fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
-            return cls(layers=layers, **fields)
+            metadata = cls(layers=layers, **fields)
         except (KeyError, TypeError):
             raise ProgramFormatError(f"{source}: its hybrid_cache metadata is incomplete or damaged.") from None
+        vocab = metadata.vocab_size
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            # The runner checks every token id against it before a step (`program.check_input_ids`).
+            raise ProgramFormatError(
+                f"{source}: its hybrid_cache metadata has no valid vocab_size ({vocab!r}), which the runner checks "
+                f"token ids against. Export it again with `hybrid-cache-export`."
+            )
+        return metadata

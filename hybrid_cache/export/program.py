@@ -4,7 +4,9 @@ The program holds the state (`step.ProgramModule`); the runner holds the counter
 and admits every step before it calls the program, with the rules of the eager cache (`hybrid_cache.steps`,
 `hybrid_cache.ring`): a step that would pass `max_cache_len` raises `CacheCapacityError`, a prompt that does not
 continue the held conversation `ConversationMismatchError`, a rollback the rings cannot make exact `RollbackError`,
-all before anything is written, so the program then continues exactly.
+all before anything is written, so the program then continues exactly. The token ids are checked first
+(`check_input_ids`): a runtime would not refuse a bad one cleanly (ONNX `Gather` takes a negative id as an index from
+the end, a cast takes a float for an id, an id past the vocabulary fails inside the runtime mid-prompt).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..steps import check_capacity, refuse_empty_step
 from .metadata import ProgramMetadata
 from .step import state_names
 
-__all__ = ["Backend", "Program"]
+__all__ = ["Backend", "Program", "check_input_ids"]
 
 
 class Backend(Protocol):
@@ -95,12 +97,8 @@ class Program:
         return logits
 
     def _new_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The tokens of `input_ids` after the conversation held, or `ConversationMismatchError`."""
-        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
-            raise ValueError(
-                f"An exported program runs batch 1: input_ids must be [1, tokens], got {tuple(input_ids.shape)}. "
-                f"Run one program per sequence (docs/export.md says what batch > 1 needs)."
-            )
+        """The tokens of `input_ids` (checked by `check_input_ids`) after the conversation held, or
+        `ConversationMismatchError`."""
         held = self.length
         if held and not torch.equal(input_ids[:, :held], self.tokens):
             raise ConversationMismatchError(
@@ -116,7 +114,7 @@ class Program:
         """Feed the tokens of `input_ids` `[1, tokens]` after the conversation held (the whole conversation, when
         the program holds its start) and return the last one's logits `[1, vocab]`: a forward of the new tokens.
         Refused, before anything is written, as `generate` refuses."""
-        input_ids = input_ids.to(torch.long).cpu()
+        input_ids = check_input_ids(input_ids, self.metadata.vocab_size)
         new = self._new_tokens(input_ids)
         check_capacity(self.length, new.shape[1], self.metadata.max_cache_len)
         return self._store(new)
@@ -128,10 +126,12 @@ class Program:
         then up to `max_new_tokens` tokens, stopping after an end-of-sequence token (`eos_token_id`, default the
         model's). Returns `[1, prompt + new]`.
 
-        Raises (before anything is written): `CacheCapacityError` when the prompt and `max_new_tokens` would pass
-        `max_cache_len`; `ConversationMismatchError` for a prompt that does not continue the held conversation.
+        Raises (before anything is written, so the program then continues exactly): `TypeError` / `ValueError` for
+        ids that are not a `[1, tokens]` tensor of integers in `[0, vocab_size)` (`check_input_ids`);
+        `CacheCapacityError` when the prompt and `max_new_tokens` would pass `max_cache_len`;
+        `ConversationMismatchError` for a prompt that does not continue the held conversation.
         """
-        input_ids = input_ids.to(torch.long).cpu()
+        input_ids = check_input_ids(input_ids, self.metadata.vocab_size)
         new = self._new_tokens(input_ids)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
@@ -165,6 +165,52 @@ class Program:
                 f"`reset()` and feed the conversation again. Nothing was changed."
             )
         self.tokens = self.tokens[:, :new_length]
+
+
+def check_input_ids(input_ids: Any, vocab_size: int) -> torch.Tensor:
+    """`input_ids` as the runner feeds it (int64, on the CPU), after checking that it is a tensor `[1, tokens]`
+    (batch 1, at least one token) of integer token ids in `[0, vocab_size)` (the program's metadata); any integer
+    dtype is taken (int32, uint8, ...). Raises `TypeError` (not a tensor, not integers) or `ValueError` (another
+    shape, empty, an id outside the vocabulary), naming the problem and the fix; the runner calls it before anything
+    is written."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(
+            f"input_ids must be a torch.Tensor of token ids [1, tokens], got {type(input_ids).__name__}: pass the "
+            f"tokenizer's `input_ids` (`tokenizer(text, return_tensors='pt').input_ids`) or `torch.tensor([ids])`. "
+            f"Nothing was written."
+        )
+    dtype = input_ids.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(
+            f"input_ids must hold integer token ids, got dtype {dtype}: floats and booleans are not token ids (a "
+            f"program would cast them to ids silently). Pass the tokenizer's ids as an integer tensor (torch.long). "
+            f"Nothing was written."
+        )
+    shape = tuple(input_ids.shape)
+    if input_ids.ndim != 2 or shape[0] != 1:
+        fix = {
+            1: "add the batch axis: `input_ids.unsqueeze(0)`",
+            2: "run one program per sequence (docs/export.md says what batch > 1 needs)",
+        }.get(input_ids.ndim, "pass one sequence as [1, tokens]")
+        raise ValueError(
+            f"input_ids must be [1, tokens] (an exported program runs batch 1), got shape {shape}: {fix}. Nothing "
+            f"was written."
+        )
+    if shape[1] == 0:
+        raise ValueError(
+            "input_ids is empty ([1, 0]): a step needs at least one token. Pass the prompt's token ids (to continue "
+            "the conversation held, the whole conversation followed by the new tokens). Nothing was written."
+        )
+    ids = input_ids.detach().cpu().to(torch.long)
+    outside = ((ids < 0) | (ids >= vocab_size)).nonzero()
+    if len(outside):
+        position = int(outside[0, 1])
+        raise ValueError(
+            f"input_ids[0, {position}] = {int(ids[0, position])} is not a token id of this program: ids run from 0 "
+            f"to vocab_size - 1 = {vocab_size - 1} ({len(outside)} of the {shape[1]} ids outside that range). Pass ids "
+            f"of the model's own tokenizer, without padding or ignore values such as -1 or -100. Nothing was written."
+        )
+    return ids
 
 
 def _stop_ids(value: Any) -> set[int]:

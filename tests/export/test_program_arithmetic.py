@@ -9,9 +9,10 @@ import random
 
 import pytest
 import torch
-from builders import VOCAB, no_cache_logits, tiny_gemma3, tiny_gemma4
+from builders import BANDED, VOCAB, no_cache_logits, tiny_gemma3, tiny_gemma4
 
 from hybrid_cache import CacheCapacityError, RollbackError
+from hybrid_cache.code_attention import CODE_ATTENTION
 from hybrid_cache.export import export_program
 from hybrid_cache.export.metadata import ProgramMetadata
 from hybrid_cache.export.program import Program
@@ -93,3 +94,25 @@ def test_a_model_without_sliding_layers_gets_a_plain_static_cache(tmp_path):
     assert (program.logits(ids) - expected[-1]).abs().max() < TOLERANCE
     program.rollback(12)  # no ring: any rollback is exact
     assert (program.logits(ids[:, :10]) - expected[9]).abs().max() < TOLERANCE
+
+
+def test_export_gives_a_model_on_hybrid_cache_sdpa_its_attention_back_after_a_failure(tmp_path, monkeypatch):
+    """`export_program` traces a model on `hybrid_cache_sdpa` on sdpa and switches it back, also when the export
+    fails; a model on another attention it cannot trace is refused, left as it was."""
+    from hybrid_cache.export import onnxrt
+
+    seen: list[str] = []
+
+    def failing_export(module, path, metadata, progress):
+        seen.append(module.model.config._attn_implementation)
+        raise RuntimeError("the exporter failed")
+
+    monkeypatch.setattr(onnxrt, "export_onnx", failing_export)
+    model = tiny_gemma3(window=4, layers=2, attn=BANDED)
+    with pytest.raises(RuntimeError, match="the exporter failed"):
+        export_program(model, tmp_path / "x.onnx", max_cache_len=16, chunk_size=4)
+    assert seen == ["sdpa"] and model.config._attn_implementation == CODE_ATTENTION
+    model.set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match="set_attn_implementation\\('sdpa'\\)"):
+        export_program(model, tmp_path / "x.onnx", max_cache_len=16, chunk_size=4)
+    assert model.config._attn_implementation == "flex_attention" and seen == ["sdpa"]

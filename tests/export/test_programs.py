@@ -6,7 +6,9 @@ Each program is exported once per module (lowering to XNNPACK takes minutes) and
 checked: greedy tokens equal eager `generate` with `DynamicCache`; every step's logits against the no-cache forward
 (tolerances per runtime, `TOLERANCE`); `cache_slots()` read from the program; multi-turn continuation and the
 refusal of another conversation; a step past `max_cache_len` refused before anything is written, the program then
-exact; rollback within the margin; files that are not programs refused in one line.
+exact; bad token ids (outside the vocabulary, floats, booleans, another shape, an empty prompt) refused by the runner
+before any step, nothing written; rollback within the margin; files that are not programs refused in one line; a
+model on `hybrid_cache_sdpa` (`load_model`'s attention) exported with sdpa masks and given its attention back.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import json
 
 import pytest
 import torch
-from builders import VOCAB, no_cache_logits, tiny_gemma3, tiny_gemma4
+from builders import BANDED, VOCAB, no_cache_logits, tiny_gemma3, tiny_gemma4
 from transformers import DynamicCache
 
 from hybrid_cache import CacheCapacityError, ConversationMismatchError, RollbackError, cache_kwargs
+from hybrid_cache.code_attention import CODE_ATTENTION
 
 pytest.importorskip("onnxruntime", reason="the export extra is not installed")
 pytest.importorskip("executorch", reason="the export extra is not installed")
@@ -52,10 +55,15 @@ def prompt(length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def eager_generate(model, ids: torch.Tensor, new: int) -> torch.Tensor:
+def eager_generate(model, ids: torch.Tensor, new: int, **kwargs) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(
-            ids, max_new_tokens=new, do_sample=False, pad_token_id=0, **cache_kwargs(DynamicCache(config=model.config))
+            ids,
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+            **cache_kwargs(DynamicCache(config=model.config)),
         )
 
 
@@ -121,6 +129,83 @@ def test_a_step_past_max_cache_len_is_refused_before_anything_is_written(exporte
         program.generate(program.tokens, max_new_tokens=1)
 
 
+def with_id(ids: torch.Tensor, position: int, value: int) -> torch.Tensor:
+    ids = ids.clone()
+    ids[0, position] = value
+    return ids
+
+
+# A bad input made from good ids `[1, n]` whose last 6 tokens are new to the program (position -3: the second chunk
+# of a 21-token prompt, chunks of 16): (make, error, what the message says).
+BAD_INPUTS = {
+    "negative": (lambda ids: with_id(ids, -3, -1), ValueError, r"= -1 is not a token id.*vocab_size - 1 = 100"),
+    "vocab-size": (lambda ids: with_id(ids, -3, VOCAB), ValueError, r"= 101 is not a token id.*vocab_size - 1 = 100"),
+    "huge": (lambda ids: with_id(ids, -1, 2**40), ValueError, rf"= {2**40} is not a token id"),
+    "float": (lambda ids: ids.float() + 0.2, TypeError, "integer token ids, got dtype torch.float32"),
+    "float-whole": (lambda ids: ids.double(), TypeError, "integer token ids, got dtype torch.float64"),
+    "bool": (lambda ids: ids > 50, TypeError, "integer token ids, got dtype torch.bool"),
+    "list": (lambda ids: ids.tolist(), TypeError, "must be a torch.Tensor of token ids.*got list"),
+    "1d": (lambda ids: ids[0], ValueError, r"must be \[1, tokens\].*got shape \(\d+,\).*unsqueeze\(0\)"),
+    "3d": (lambda ids: ids[None], ValueError, r"must be \[1, tokens\].*got shape \(1, 1, \d+\)"),
+    "batch-2": (lambda ids: ids.repeat(2, 1), ValueError, r"runs batch 1.*got shape \(2, \d+\)"),
+    "empty": (lambda ids: ids[:, :0], ValueError, r"input_ids is empty \(\[1, 0\]\)"),
+}
+
+
+def program_state(program) -> dict[str, torch.Tensor]:
+    """A copy of the program's state tensors: ONNX Runtime's, owned by the runner, or ExecuTorch's buffers."""
+    backend = program.backend
+    if hasattr(backend, "state"):
+        return {name: tensor.clone() for name, tensor in backend.state.items()}
+    method = backend._methods["decode"]._method
+    return {name: torch.as_tensor(method.get_attribute(f"program.{name}")).clone() for name in backend._names}
+
+
+def assert_refused(program, bad, error, match) -> None:
+    """`generate` and `logits` refuse `bad` with `error`, before any step: tokens, counters and state unchanged."""
+    tokens, oldest, state = program.tokens.clone(), program.oldest, program_state(program)
+    for call in (program.generate, program.logits):
+        with pytest.raises(error, match=match) as raised:
+            call(bad)
+        assert "Nothing was written" in str(raised.value) and "\n" not in str(raised.value)
+    assert torch.equal(program.tokens, tokens) and program.oldest == oldest
+    after = program_state(program)
+    assert all(torch.equal(after[name], state[name]) for name in state)
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_token_ids_are_refused_before_anything_is_written(exported, case):
+    """Each bad input is refused by the runner with one error naming the problem and the fix (not the runtime's raw
+    error, not a silent cast), on a fresh program (a bad id in the prompt's second chunk: the first chunk is not
+    written either) and on one holding a conversation (the bad id among the new tokens): the program's tokens,
+    counters and state are unchanged, and the next `generate` equals eager `generate`."""
+    model, program, _, _ = exported
+    make, error, match = BAD_INPUTS[case]
+    program.reset()
+    assert_refused(program, make(prompt(21, seed=7)), error, match)
+    assert program.length == 0
+    first_prompt = prompt(13, seed=1)
+    first = program.generate(first_prompt, max_new_tokens=4)
+    assert torch.equal(first, eager_generate(model, first_prompt, 4))
+    assert any(tensor.any() for tensor in program_state(program).values())  # the state read is the program's own
+    turn = torch.cat([first, prompt(6, seed=2)], 1)
+    assert_refused(program, make(turn), error, match)
+    assert torch.equal(program.generate(turn, max_new_tokens=12), eager_generate(model, turn, 12))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_token_ids_of_any_integer_dtype_are_taken(exported, dtype):
+    """Ids of another integer dtype, including the vocabulary's first and last ids (0 and vocab_size - 1), run as the
+    same LongTensor would: eager `generate`'s tokens, returned as int64. (0 is the tiny models' padding id, which
+    eager `generate` would mask without an attention mask; the program attends to every token it is given.)"""
+    model, program, _, _ = exported
+    program.reset()
+    ids = with_id(with_id(prompt(21, seed=6), 0, 0), -3, VOCAB - 1)
+    got = program.generate(ids.to(dtype), max_new_tokens=8)
+    expected = eager_generate(model, ids, 8, attention_mask=torch.ones_like(ids))
+    assert got.dtype == torch.long and torch.equal(got, expected)
+
+
 def test_files_that_are_not_programs_are_refused_in_one_line(exported, tmp_path):
     _, _, suffix, report = exported
     junk = tmp_path / f"junk.{suffix}"
@@ -181,3 +266,18 @@ def test_rollback_beyond_the_window_is_refused_and_changes_nothing(exported):
     program.rollback(1)
     expected = no_cache_logits(model, ids)[0, -1]
     assert (program.logits(ids) - expected).abs().max() < TOLERANCE[suffix]
+
+
+@pytest.mark.parametrize("suffix", ["onnx", "pte"])
+def test_a_model_on_hybrid_cache_sdpa_is_exported_with_sdpa_masks(tmp_path, suffix):
+    """`load_model`'s attention, `hybrid_cache_sdpa` (sdpa's results): `export_program` switches the model to sdpa
+    for the export and back afterwards; the program's tokens are eager `generate`'s (window 5, chunks of 8, a prompt
+    of two chunks and generation past several wraps)."""
+    model = tiny_gemma3(window=5, layers=3, attn=BANDED)
+    assert model.config._attn_implementation == CODE_ATTENTION
+    path = tmp_path / f"tiny.{suffix}"
+    export_program(model, path, max_cache_len=40, chunk_size=8)
+    assert model.config._attn_implementation == CODE_ATTENTION
+    program = load_program(path)
+    ids = prompt(13, seed=8)
+    assert torch.equal(program.generate(ids, max_new_tokens=20), eager_generate(model, ids, 20))

@@ -145,7 +145,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = _check_arguments(args)
         model, tokenizer = _load(args.model)
         if not args.run_only:
-            model.set_attn_implementation("sdpa")  # what the program's masks are built for
             with torch.no_grad():
                 _export(args, path, model)
         if args.run is not None:
