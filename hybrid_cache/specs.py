@@ -118,6 +118,25 @@ def _declared_layer_types(config: Any) -> list[str] | None:
     return list(layer_types) if layer_types is not None else None
 
 
+def _refuse_recurrent_loops(config: Any) -> None:
+    """A model that runs its recurrent layers several times (`n_recurrent_loops > 1`, e.g. `dory`) writes one cache
+    layer per loop beyond the `num_hidden_layers` the config declares (it appends copies of the cache's layers to
+    `cache.layers` inside its forward); in `dory`'s `recurrent_kv_cache_mode="last_loop"` it appends read-only views
+    that take transformers' own layer classes only, whatever the loop count. A cache built from the declared layers
+    can hold neither."""
+    loops = getattr(config, "n_recurrent_loops", None)
+    last_loop = getattr(config, "recurrent_kv_cache_mode", None) == "last_loop"
+    if isinstance(loops, int) and (loops > 1 or last_loop):
+        model_type = getattr(config, "model_type", type(config).__name__)
+        how = "appends read-only views of" if last_loop else "writes per-loop copies of"
+        raise ValueError(
+            f"{model_type!r} runs its recurrent layers {loops} time(s) (n_recurrent_loops={loops}, "
+            f"recurrent_kv_cache_mode={getattr(config, 'recurrent_kv_cache_mode', None)!r}) and {how} its cache "
+            f"layers beyond the {config.num_hidden_layers} layers its config declares; HybridRingCache holds exactly "
+            f"the declared layers. Use `DynamicCache(config=...)` for this model."
+        )
+
+
 def layer_specs(config: Any, stage_layers: Iterable[int] | None = None) -> list[LayerSpec]:
     """The specification of every decoder layer of `config` (composite or text config).
 
@@ -127,9 +146,11 @@ def layer_specs(config: Any, stage_layers: Iterable[int] | None = None) -> list[
             the others get kind `OTHER_STAGE`.
 
     Raises:
-        ValueError: the config's layers cannot be stored by `HybridRingCache` (the message names the layer and fix).
+        ValueError: the config's layers cannot be stored by `HybridRingCache` (the message names the layer and fix),
+            or the model writes cache layers the config does not declare (recurrent loops, `n_recurrent_loops > 1`).
     """
     config = text_config(config)
+    _refuse_recurrent_loops(config)
     num_layers = config.num_hidden_layers
     layer_types = _declared_layer_types(config)
     if layer_types is not None and len(layer_types) != num_layers:
