@@ -326,6 +326,7 @@ class StepJournal:
     written: list[int]  # the storing layers that stored the open step, in order
     broken: str | None  # why the cache cannot continue (a dead step it could not undo)
     complete: bool  # every storing layer stored the open step
+    graph_steps: bool  # a step ran inside a compiled graph since the layers were last seen holding the same tokens
     failed: bool  # the open step was refused after some layers stored it
     _previous: dict[int, Any]  # each journaled layer's step bookkeeping from before the open step
 
@@ -398,6 +399,7 @@ class StepJournal:
         self.armed = self.tracking = False
         self.broken = None
         self._previous = {}
+        self.graph_steps = False
 
     def abandon(self, layers: Sequence[Any]) -> None:
         """A refusal was raised during the step (by a check or a layer): undo what it stored now, so the refusal
@@ -415,8 +417,10 @@ class StepJournal:
         lengths = held_lengths(layers, self.storing)
         floor = min(lengths.values(), default=0)
         if not written or (self.complete and not self.failed):
-            # No journaled step is open: a step that failed inside a compiled graph shows in the lengths alone.
-            if floor == max(lengths.values(), default=0):
+            # No journaled step is open: a step that failed inside a compiled graph shows in the lengths alone (after
+            # steps ran in a graph: layers updated one by one, as tests of the cache do, are not a step).
+            if not self.graph_steps or floor == max(lengths.values(), default=0):
+                self.graph_steps = False
                 return
             written, count = [], max(lengths.values()) - floor
         elif not self.is_open(layers):
@@ -494,7 +498,7 @@ class StepAdmission:
             check_assisted_start(self.assisted_start, query_length, _newest_position(update_kwargs))
             self.assisted_start = 0
         starts = journal.starts_step(layer_idx)
-        if starts and behind_first_layer(layers, journal.storing, layer_idx):
+        if starts and journal.graph_steps and behind_first_layer(layers, journal.storing, layer_idx):
             journal.untrack()  # the step's earlier layers stored it inside a compiled graph: it was admitted there
             starts = False
         if starts:
@@ -525,6 +529,7 @@ class StepAdmission:
         storing = self.journal.storing
         if not storing or layer_idx != storing[0]:
             return key_states, value_states
+        self.journal.graph_steps = True  # a Python side effect, which Dynamo applies once the graph has run
         lengths = torch.stack([torch.as_tensor(layers[index].get_seq_length()) for index in storing])
         consistent = (lengths == lengths[0]).all()
         torch._assert_async(consistent, GRAPH_INCOMPLETE_STEP)

@@ -17,7 +17,10 @@ without a rollback margin), and then drives what users do, in any order:
 - `key_positions(layer)` of every storing layer;
 - a saved file edited by one byte;
 - switching the attention implementation (`sdpa`, `eager`, `hybrid_cache_sdpa`);
-- a prepared 4D attention mask of the wrong width.
+- a prepared 4D attention mask of the wrong width;
+- in a third of the exact and fixed-capacity sequences, every forward through `torch.compile(model)` (eager backend,
+  nothing reset between sequences: frames reach the recompile limit and fall back to eager), without the failed
+  forwards and prepared masks, whose contracts are eager ones (tests/core/test_compile_steps.py has the compiled ones).
 
 What is checked:
 
@@ -241,10 +244,15 @@ class CacheMachine(RuleBasedStateMachine):
         margin=st.sampled_from([0, 0, 1, 3]),
         capacity=st.integers(12, MAX_LENGTH + 4),
         seed=st.integers(0, 3),
+        compiled=st.sampled_from([False, False, True]),
     )
-    def start(self, window, attn, mode, margin, capacity, seed):
+    def start(self, window, attn, mode, margin, capacity, seed, compiled):
         self.window, self.mode = window, mode
         self.model = build_model(self.family, window, attn, seed)
+        # Some exact and fixed sequences run every forward through `torch.compile(model)` (Dynamo's capture, eager
+        # backend; nothing reset between sequences, so frames reach the recompile limit and fall back to eager).
+        self.compiled = compiled and mode in ("exact", "fixed")
+        self.compiled_model = torch.compile(self.model, backend="eager", dynamic=False) if self.compiled else None
         self.options = cache_options(mode, window, margin, capacity)
         self.cache = HybridRingCache(self.model.config, **self.options)
         self.shadow = HybridRingCache(self.model.config, **self.options) if mode in APPROXIMATE else None
@@ -274,7 +282,8 @@ class CacheMachine(RuleBasedStateMachine):
                 return self.forward(cache, ids, mask)
             finally:
                 self.model.set_attn_implementation(previous)
-        return self.model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True).logits
+        model = self.compiled_model if self.compiled_model is not None else self.model
+        return model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True).logits
 
     def replay_shadow(self) -> None:
         """Rebuild the shadow from scratch: a fresh cache of the same mode given every logged operation, recording
@@ -367,7 +376,9 @@ class CacheMachine(RuleBasedStateMachine):
         recovering, self.pending_failure_check = self.pending_failure_check, False
         before = cache_state(self.cache)
         if not self.step_fits(new_ids.shape[1]):
-            with pytest.raises(CacheCapacityError):
+            # A compiled one-token step checks inside its graph: a RuntimeError naming max_cache_len.
+            refusal = (CacheCapacityError, RuntimeError) if self.compiled else CacheCapacityError
+            with pytest.raises(refusal, match="max_cache_len"):
                 self.forward(self.cache, new_ids, mask, attention)
             assert_nothing_written(before, self.cache, "a step beyond max_cache_len")
             return
@@ -545,7 +556,7 @@ class CacheMachine(RuleBasedStateMachine):
         new_ids = self.new_tokens(random.Random(seed), self.batch, count)
         return new_ids, torch.cat([self.mask, torch.ones_like(new_ids)], 1)
 
-    @precondition(lambda self: self.length < MAX_LENGTH and not self.pending_failure_check)
+    @precondition(lambda self: self.length < MAX_LENGTH and not self.pending_failure_check and not self.compiled)
     @rule(layer=st.integers(0, 4), count=st.sampled_from([1, 2, 5, 9]), seed=st.integers(0, 2**16))
     def failed_forward(self, layer, count, seed):
         """A forward that raises in layer `layer`'s MLP (after the earlier layers stored the step; on an empty cache
@@ -573,7 +584,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.get_seq_length() == self.length
         self.pending_failure_check = True
 
-    @precondition(lambda self: self.length < MAX_LENGTH and not self.pending_failure_check)
+    @precondition(lambda self: self.length < MAX_LENGTH and not self.pending_failure_check and not self.compiled)
     @rule(
         count=st.sampled_from([1, 1, 2, 5, 9]), where=st.sampled_from(["norm", "lm_head"]), seed=st.integers(0, 2**16)
     )
@@ -651,7 +662,7 @@ class CacheMachine(RuleBasedStateMachine):
     def switch_attention(self, attention):
         self.model.set_attn_implementation(attention)
 
-    @precondition(lambda self: self.length > 0 and self.length < MAX_LENGTH)
+    @precondition(lambda self: self.length > 0 and self.length < MAX_LENGTH and not self.compiled)
     @rule(query=st.integers(1, 3), off_by=st.sampled_from([-1, 1]))
     def prepared_mask_of_the_wrong_width(self, query, off_by):
         """A prepared 4D mask whose key width is not what the cache returns is refused, nothing written."""
@@ -745,7 +756,36 @@ def _plant_no_undo_of_multi_token_steps() -> None:
     UndoableStepLayer._keep_overwritten = keep
 
 
+def _plant_compiled_steps_mixed_with_eager_ones() -> None:
+    """Issue 42: every cache call of a compiled forward ran inside the graph being traced (Dynamo then ran some of a
+    forward's layers eagerly and others traced, around the ring's graph breaks), and the step journal judged a step by
+    the layers it saw store it (a step whose other layers stored it in a graph looked dead and was "undone")."""
+    from hybrid_cache import cache as cache_module
+    from hybrid_cache import steps as steps_module
+
+    cache_module._in_graph = lambda layer, query_length: True
+    steps_module.behind_first_layer = lambda layers, storing, layer_idx: False
+
+    def is_open(self, layers):
+        return bool(self.written) and (self.failed or not self.complete)
+
+    def settle(self, layers):
+        if self.broken is not None:
+            raise IncompleteStepError(self.broken)
+        if not self.is_open(layers):
+            return
+        for index in self.written:
+            layers[index].crop(-self.query_length)
+            if self._previous.get(index) is not None:
+                layers[index].restore_step_bookkeeping(self._previous[index])
+        self.written, self.failed, self._previous = [], False, {}
+
+    steps_module.StepJournal.is_open = is_open
+    steps_module.StepJournal.settle = settle
+
+
 PLANTS = {
+    "compiled_steps_mixed_with_eager_ones": _plant_compiled_steps_mixed_with_eager_ones,
     "reset_keeps_assisted_check": _plant_reset_keeps_assisted_check,
     "restore_stops_recording": _plant_restore_stops_recording,
     "no_key_positions_for_compressed_layers": _plant_no_key_positions_for_compressed_layers,
