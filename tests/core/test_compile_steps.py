@@ -31,6 +31,10 @@ from builders import TOLERANCE, VOCAB, no_cache_logits, one_torch_thread, tiny_g
 from hybrid_cache import HybridRingCache, cache_kwargs
 from hybrid_cache.errors import CacheCapacityError, IncompleteStepError
 
+# Minutes of compiling (Dynamo traces dozens of tiny models): the whole suite runs it on the project's release
+# (setup.cfg's `slow` marker); the quick suite on older releases runs tests/core/test_compile.py.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
