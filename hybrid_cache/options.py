@@ -133,9 +133,12 @@ class CacheOptions(Frozen):
         return self.max_cache_len is not None
 
     def storage(self, kind: str) -> str:
-        """The storage a layer of `kind` (`specs.SLIDING` / `specs.FULL`) gets: `"ring"`, `"static_ring"`,
-        `"sink_window"`, `"quantized"`, `"static_quantized"`, `"growable"` or `"static"`."""
-        if kind == "sliding_attention":
+        """The storage a layer of `kind` (`specs.SLIDING` / `specs.FULL` / `specs.CHUNKED`) gets: `"ring"`,
+        `"static_ring"`, `"sink_window"`, `"quantized"`, `"static_quantized"`, `"growable"` or `"static"`. A chunked
+        layer gets a ring of `attention_chunk_size` slots, as a sliding layer of that window: a query sees at most the
+        chunk's earlier keys, each within the last `attention_chunk_size` positions, and the mask hook evaluates the
+        model's own chunked mask (its chunk boundaries, left padding included) at the ring's positions."""
+        if kind in ("sliding_attention", "chunked_attention"):
             return "static_ring" if self.compiled else "ring"
         if self.full_layer_window is not None:
             return "sink_window"

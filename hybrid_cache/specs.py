@@ -45,7 +45,8 @@ class LayerSpec(Frozen):
         index: the decoder layer.
         kind: `SLIDING`, `FULL`, `CHUNKED`, `SHARED` or `OTHER_STAGE`.
         layer_type: the config's `layer_types` entry (`None` when the config declares none).
-        window: the sliding window `W` of a `SLIDING` layer (a query sees `W` keys including itself), else `None`.
+        window: the sliding window `W` of a `SLIDING` layer (a query sees `W` keys including itself), the chunk `C`
+            (`attention_chunk_size`) of a `CHUNKED` one (a query sees the keys of its own chunk), else `None`.
         query_heads: attention heads, as declared (`None` when not declared).
         declared_kv_heads / declared_head_dim: KV heads and head size as the config declares them for this layer
             (per-layer configs first), `None` when it does not.
@@ -71,8 +72,8 @@ class LayerSpec(Frozen):
 
     @property
     def storage_kind(self) -> str:
-        """How the cache stores the layer: chunked attention is stored fully (its mask is not a window)."""
-        return FULL if self.kind == CHUNKED else self.kind
+        """How the cache stores the layer: `SLIDING`, `FULL` or `CHUNKED` for storing layers (the layer's kind)."""
+        return self.kind
 
     @property
     def kv_heads(self) -> int | None:
@@ -180,7 +181,15 @@ def layer_specs(config: Any, stage_layers: Iterable[int] | None = None) -> list[
                     f"`config.sliding_window` to the model's window, or declare the layer 'full_attention'."
                 )
             window = int(window)
-        elif layer_type in (FULL, CHUNKED):
+        elif layer_type == CHUNKED:
+            kind, window = CHUNKED, getattr(config, "attention_chunk_size", None)
+            if window is None:
+                raise ValueError(
+                    f"Layer {index} is 'chunked_attention' but the config has no `attention_chunk_size`. Set "
+                    f"`config.attention_chunk_size` to the model's chunk, or declare the layer 'full_attention'."
+                )
+            window = int(window)
+        elif layer_type == FULL:
             kind = layer_type
         else:
             raise ValueError(
@@ -273,7 +282,7 @@ def kv_heads_per_rank(specs: list[LayerSpec], num_heads: int, tp_size: int) -> l
     the storing layers declare one count; when they declare different counts per layer type (Gemma 4), each layer's
     count divided by the tensor-parallel degree `tp_size`, and `num_heads` must be one of those."""
     declared = [spec.declared_kv_heads or num_heads for spec in specs]
-    storing = {count for count, spec in zip(declared, specs) if spec.storage_kind in (SLIDING, FULL)}
+    storing = {count for count, spec in zip(declared, specs) if spec.storage_kind in (SLIDING, FULL, CHUNKED)}
     if len(storing) <= 1:
         return [num_heads] * len(declared)
     if any(count % tp_size for count in storing):

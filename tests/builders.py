@@ -218,6 +218,32 @@ def random_images(model, count: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+def tiny_llama4(chunk: int = 4, layers: int = 4, attn: str = "sdpa", seed: int = 0):
+    """Llama 4 text model: chunked attention (chunks of `chunk`) in every layer but every fourth (full, without
+    RoPE), GQA (4 query heads over 2 KV heads), two experts, fp32, eval mode."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(seed)
+    config = Llama4TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        intermediate_size_mlp=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        attention_chunk_size=chunk,
+        num_local_experts=2,
+        max_position_embeddings=4096,
+        attn_implementation=attn_implementation(attn),
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+    )
+    return Llama4ForCausalLM(config).eval()
+
+
 MODEL_BUILDERS = {"gemma3": tiny_gemma3, "gemma4": tiny_gemma4}
 
 
