@@ -67,6 +67,11 @@ _GEMMA4_SOURCE = (
     "Gemma4TextConfig's defaults (transformers 5.24: head_dim 256, global_head_dim 512, sliding_window 512, "
     "max_position_embeddings 131072)"
 )
+_LLAMA4_SOURCE = (
+    "huggingface/transformers src/transformers/models/llama4/configuration_llama4.py "
+    "(commit b17cfe48c5a9631dcf9f57f3865a055903800f81), `Llama4TextConfig`'s defaults, documented there as "
+    "meta-llama/Llama-4-Scout-17B-16E; {note}"
+)
 _GEMMA4_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
 _GEMMA4_E2B_LAYERS = ["sliding_attention"] * 4 + ["full_attention"]
 
@@ -99,6 +104,20 @@ def _gemma3(name: str, variant: str, **values: Any) -> Preset:
 
 def _gemma4(name: str, variant: str, **values: Any) -> Preset:
     return Preset(name, "gemma4_text", values, _GEMMA4_SOURCE.format(variant=variant))
+
+
+def _llama4(name: str, note: str, **values: Any) -> Preset:
+    # 36 chunked_attention layers of 8192 and 12 full (NoPE) ones: the config's `no_rope_layer_interval` 4.
+    geometry = dict(
+        hidden_size=5120,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        attention_chunk_size=8192,
+        no_rope_layer_interval=4,
+    )
+    return Preset(name, "llama4_text", {**geometry, **values}, _LLAMA4_SOURCE.format(note=note))
 
 
 PRESETS: dict[str, Preset] = {
@@ -212,6 +231,12 @@ PRESETS: dict[str, Preset] = {
             num_kv_shared_layers=0,
             sliding_window=1024,
             max_position_embeddings=262_144,
+        ),
+        _llama4("llama-4-scout", "the text model's attention geometry"),
+        _llama4(
+            "llama-4-maverick",
+            "Maverick (17B-128E) is taken to share that attention geometry (its published config differs in experts "
+            "and MoE interleaving, which hold no KV); not re-read here",
         ),
     ]
 }

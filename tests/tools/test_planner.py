@@ -116,7 +116,9 @@ def test_layer_capacity_after_follows_every_step(make_layer, seed):
 
 
 # Layer types of the full-size presets, per `layer_kv_geometry`: the geometry the planner uses is the model's.
-@pytest.mark.parametrize("name", ["gemma-3-1b", "gemma-3-27b", "gemma-4-e2b", "gemma-4-e4b", "gemma-4-31b"])
+@pytest.mark.parametrize(
+    "name", ["gemma-3-1b", "gemma-3-27b", "gemma-4-e2b", "gemma-4-e4b", "gemma-4-31b", "llama-4-scout"]
+)
 def test_full_size_presets_equal_memory_report_on_meta(name):
     """The full-size model of each preset, built on PyTorch's meta device (no weights, no memory): its K/V shapes per
     layer (KV heads and head size per type, KV-shared layers) give `memory_report()` = the plan."""
@@ -285,3 +287,13 @@ def test_gemma3_270m_preset_is_the_embedded_model():
     assert model.config.layer_types == preset.layer_types
     assert model.config.sliding_window == preset.sliding_window
     assert plan_kv_memory(model.config, 8192).stages[0] == plan_kv_memory(preset, 8192).stages[0]
+
+
+def test_llama4_chunked_layers_hold_one_chunk():
+    """Llama 4 Scout at 131,072 tokens, bf16: the 36 chunked layers hold one chunk of 8192 (what DynamicCache keeps
+    alive after generation), the 12 full layers the context; 24 GiB when every layer stores every token."""
+    plan = plan_kv_memory("llama-4-scout", 131_072, prompt_length=131_072 - 1024, dtype=torch.bfloat16).stages[0]
+    per_token = _bytes_per_token(8, 128)
+    assert plan["ring"].bytes_by_type["chunked_attention"] == 36 * 8192 * per_token
+    assert plan["dynamic"].bytes_by_type["chunked_attention"] == 36 * 8192 * per_token
+    assert plan["full"].total_bytes == 48 * 131_072 * per_token

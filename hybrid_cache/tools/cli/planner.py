@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from transformers.configuration_utils import PreTrainedConfig
 
-from hybrid_cache.specs import FULL, SHARED, SLIDING, layer_specs, text_config
+from hybrid_cache.specs import CHUNKED, FULL, SHARED, SLIDING, layer_specs, text_config
 
 from ..compare import layer_kv_geometry
 from ..planner import CACHE_LABELS, PRESETS, KVPlan, load_config, max_context_length, plan_kv_memory
@@ -56,13 +56,14 @@ def _describe(config: PreTrainedConfig, tp_size: int) -> str:
     specs = layer_specs(text)
     geometry = layer_kv_geometry(text)
     parts = []
-    for kind in (SLIDING, FULL, SHARED):
+    for kind in (SLIDING, CHUNKED, FULL, SHARED):
         indices = [spec.index for spec in specs if spec.storage_kind == kind]
         if not indices:
             continue
         shapes = sorted({geometry[i] for i in indices if geometry[i] is not None})
         shape_text = ", ".join(f"{heads}x{dim}" for heads, dim in shapes)
-        window = f" window {specs[indices[0]].window}" if kind == SLIDING else ""
+        window = {SLIDING: " window", CHUNKED: " chunk"}.get(kind, "")
+        window += f" {specs[indices[0]].window}" if window else ""
         parts.append(f"{len(indices)} {kind}{window}" + (f" (KV heads x head size {shape_text})" if shapes else ""))
     per_rank = f", {tp_size} tensor-parallel ranks" if tp_size > 1 else ""
     return f"{type(text).__name__}, {text.num_hidden_layers} layers: " + "; ".join(parts) + per_rank
