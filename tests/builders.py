@@ -244,6 +244,40 @@ def tiny_llama4(chunk: int = 4, layers: int = 4, attn: str = "sdpa", seed: int =
     return Llama4ForCausalLM(config).eval()
 
 
+LLAMA4_IMAGE_TOKEN = 110  # the tiny multimodal Llama 4's image token id (ids 110-112 are its image markers)
+
+
+def tiny_llama4_multimodal(chunk: int = 4, seed: int = 0):
+    """`Llama4ForConditionalGeneration`: the text model of `tiny_llama4` (vocabulary 120) and a one-layer vision tower
+    that turns a 56 x 56 image into 4 tokens (16 patches of 14, pixel shuffle 0.5), fp32, sdpa, eval mode."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = tiny_llama4(chunk=chunk).config.to_dict()
+    text.update(vocab_size=120)
+    vision = dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=128,
+        image_size=56,
+        patch_size=14,
+        vision_output_dim=32,
+        projector_input_dim=32,
+        projector_output_dim=32,
+        pixel_shuffle_ratio=0.5,
+    )
+    config = Llama4Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=LLAMA4_IMAGE_TOKEN,
+        boi_token_index=LLAMA4_IMAGE_TOKEN + 1,
+        eoi_token_index=LLAMA4_IMAGE_TOKEN + 2,
+    )
+    config._attn_implementation = "sdpa"
+    return Llama4ForConditionalGeneration(config).eval()
+
+
 MODEL_BUILDERS = {"gemma3": tiny_gemma3, "gemma4": tiny_gemma4}
 
 

@@ -24,12 +24,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 from builders import (
+    LLAMA4_IMAGE_TOKEN,
     VOCAB,
     assert_matches_oracle,
     no_cache_logits,
     one_torch_thread,
     random_padded_batch,
     tiny_llama4,
+    tiny_llama4_multimodal,
     tokens,
 )
 from transformers import DynamicCache
@@ -180,3 +182,24 @@ def test_a_config_without_a_chunk_size_is_refused():
     with pytest.raises(ValueError, match="attention_chunk_size"):
         HybridRingCache(config)
     assert VOCAB == config.vocab_size
+
+
+@pytest.mark.parametrize("image_at", [1, 6])
+def test_multimodal_llama4_with_an_image_across_a_chunk_boundary(image_at):
+    """`Llama4ForConditionalGeneration` with a 4-token image at position `image_at` (chunks of 4: across a boundary at
+    6): the prompt, then decode steps, against the no-cache forward; `generate` gives `DynamicCache`'s tokens."""
+    model = tiny_llama4_multimodal(chunk=4)
+    ids = tokens(20, seed=11)
+    ids[0, image_at : image_at + 4] = LLAMA4_IMAGE_TOKEN
+    pixel_values = torch.randn(1, 3, 56, 56, generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids=ids, pixel_values=pixel_values, use_cache=False).logits
+    cache = HybridRingCache(model.config)
+    got = model(input_ids=ids[:, :12], pixel_values=pixel_values, **cache_kwargs(cache), use_cache=True).logits
+    assert (got - expected[:, :12]).abs().max().item() <= 1e-4
+    for position in range(12, 20):
+        got = model(input_ids=ids[:, position : position + 1], **cache_kwargs(cache), use_cache=True).logits
+        assert (got[:, -1] - expected[:, position]).abs().max().item() <= 1e-4, position
+    options = {"pixel_values": pixel_values, "max_new_tokens": 9, "do_sample": False, "pad_token_id": 0}
+    ring = model.generate(input_ids=ids[:, :12], **cache_kwargs(HybridRingCache(model.config)), **options)
+    dynamic = model.generate(input_ids=ids[:, :12], **cache_kwargs(DynamicCache(config=model.config)), **options)
+    assert torch.equal(ring, dynamic)
