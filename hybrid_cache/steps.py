@@ -414,17 +414,18 @@ class StepJournal:
         if self.broken is not None:
             raise IncompleteStepError(self.broken)
         written, count = list(self.written), self.query_length
+        # No journaled step is open: a step that failed inside a compiled graph shows in the lengths alone (once steps
+        # ran in a graph: layers updated one by one, as tests of the cache do, are no step).
+        unjournaled = not written or (self.complete and not self.failed)
+        if (unjournaled and not self.graph_steps) or (not unjournaled and not self.is_open(layers)):
+            return
         lengths = held_lengths(layers, self.storing)
         floor = min(lengths.values(), default=0)
-        if not written or (self.complete and not self.failed):
-            # No journaled step is open: a step that failed inside a compiled graph shows in the lengths alone (after
-            # steps ran in a graph: layers updated one by one, as tests of the cache do, are not a step).
-            if not self.graph_steps or floor == max(lengths.values(), default=0):
+        if unjournaled:
+            if floor == max(lengths.values(), default=0):
                 self.graph_steps = False
                 return
             written, count = [], max(lengths.values()) - floor
-        elif not self.is_open(layers):
-            return
         unseen = [index for index, length in lengths.items() if length > floor and index not in written]
         try:
             if unseen:  # stored inside a compiled graph, which keeps nothing to undo a step with
