@@ -9,8 +9,9 @@ masks. Three moments, and what this module does at each (`StepAdmission`, one pe
    mask creation sees, that the 2D attention mask covers the held tokens (`check_mask_covers`) and that the model's
    window does not reach a key the ring no longer holds (`refuse_unheld_key`); the ring layouts it was announced
    are recorded (`IssuedLayouts`).
-2. **A layer is about to write** (`StepAdmission.admit`, called by `HybridRingCache.update`): a prepared 4D mask
-   has the width of the keys the layer returns (`check_prepared_mask_width`); the first step after
+2. **A layer is about to write** (`StepAdmission.admit`, called by `HybridRingCache.update`): in a step whose masks
+   no mask creation announced, a prepared 4D mask has the width of the keys the layer returns
+   (`check_prepared_mask_width`; masks the hook built fit by construction); the first step after
    `activate_past_recording` on held tokens continues them (`check_assisted_start`); at the step's first layer,
    every layer can hold the step (`check_capacity`, through each layer's `check_fits`) and compressed codes meet an
    attention that reads them (`check_code_attention`); a wrapped ring's layout was served by the hook
@@ -494,11 +495,12 @@ class StepAdmission:
         layers, journal = cache.layers, self.journal
         attention = getattr(cache.config, "_attn_implementation", None)
         code_attention_option = cache.options.full_layer_code_attention
-        check_prepared_mask_width(layers[layer_idx], layer_idx, query_length)
+        starts = journal.starts_step(layer_idx)
+        if not (journal.armed if starts else journal.tracking):  # masks the hook built in this forward fit by design
+            check_prepared_mask_width(layers[layer_idx], layer_idx, query_length)
         if self.assisted_start:  # the first step of an assisted generate on held tokens
             check_assisted_start(self.assisted_start, query_length, _newest_position(update_kwargs))
             self.assisted_start = 0
-        starts = journal.starts_step(layer_idx)
         if starts and journal.graph_steps and behind_first_layer(layers, journal.storing, layer_idx):
             journal.untrack()  # the step's earlier layers stored it inside a compiled graph: it was admitted there
             starts = False
