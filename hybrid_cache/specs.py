@@ -119,6 +119,22 @@ def _declared_layer_types(config: Any) -> list[str] | None:
     return list(layer_types) if layer_types is not None else None
 
 
+#: The config field that sizes each windowed layer type: the sliding window, the attention chunk.
+_WINDOW_FIELDS = {SLIDING: ("sliding_window", "window"), CHUNKED: ("attention_chunk_size", "chunk")}
+
+
+def _declared_window_of(layer_config: Any, index: int, layer_type: str) -> int:
+    """The window (sliding) or chunk (chunked) of layer `index`, or a `ValueError` naming the missing field."""
+    field, what = _WINDOW_FIELDS[layer_type]
+    value = getattr(layer_config, field, None)
+    if value is None:
+        raise ValueError(
+            f"Layer {index} is {layer_type!r} but the config has no `{field}`. Set `config.{field}` to the model's "
+            f"{what}, or declare the layer 'full_attention'."
+        )
+    return int(value)
+
+
 def _refuse_recurrent_loops(config: Any) -> None:
     """A model that runs its recurrent layers several times (`n_recurrent_loops > 1`, e.g. `dory`) writes one cache
     layer per loop beyond the `num_hidden_layers` the config declares (it appends copies of the cache's layers to
@@ -171,24 +187,10 @@ def layer_specs(config: Any, stage_layers: Iterable[int] | None = None) -> list[
         window, shares_from = None, None
         if mode == "reuse" or layer_type in ("moe", "mlp"):
             kind, shares_from = SHARED, producers.get(layer_type) if mode == "reuse" else None
-        elif layer_type == SLIDING:
-            kind = SLIDING
+        elif layer_type in _WINDOW_FIELDS:
+            kind = layer_type
             layer_config = per_layer_configs[index] if per_layer_configs is not None else config
-            window = getattr(layer_config, "sliding_window", None)
-            if window is None:
-                raise ValueError(
-                    f"Layer {index} is 'sliding_attention' but the config has no `sliding_window`. Set "
-                    f"`config.sliding_window` to the model's window, or declare the layer 'full_attention'."
-                )
-            window = int(window)
-        elif layer_type == CHUNKED:
-            kind, window = CHUNKED, getattr(config, "attention_chunk_size", None)
-            if window is None:
-                raise ValueError(
-                    f"Layer {index} is 'chunked_attention' but the config has no `attention_chunk_size`. Set "
-                    f"`config.attention_chunk_size` to the model's chunk, or declare the layer 'full_attention'."
-                )
-            window = int(window)
+            window = _declared_window_of(layer_config, index, layer_type)
         elif layer_type == FULL:
             kind = layer_type
         else:
