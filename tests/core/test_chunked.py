@@ -40,23 +40,13 @@ from transformers import DynamicCache
 from hybrid_cache import HybridRingCache, cache_kwargs
 from hybrid_cache.full import GrowableFullLayer
 from hybrid_cache.storage import GROWTH_FACTOR
+from hybrid_cache.tools.compare import kv_bytes_held
 
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
     with one_torch_thread(), torch.no_grad():
         yield
-
-
-def storage_bytes(cache) -> int:
-    """Bytes of every distinct K/V storage a cache's layers keep alive."""
-    storages = {}
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor):
-                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    return sum(storages.values())
 
 
 def growth_room(cache: HybridRingCache) -> int:
@@ -94,11 +84,11 @@ def test_every_step_is_exact_and_holds_no_more_than_dynamic_cache(seed):
         model(**step, **cache_kwargs(dynamic), use_cache=True)
         label = f"chunk {chunk}, batch {batch}, step of {count} at {start}"
         assert_matches_oracle(got, expected[:, start : start + count], mask[:, start : start + count], label)
-        assert storage_bytes(ring) <= storage_bytes(dynamic) + growth_room(ring), label
+        assert kv_bytes_held(ring) <= kv_bytes_held(dynamic) + growth_room(ring), label
         start += count
     # Past a few chunks the whole is within 2% of DynamicCache's (the full layer dominates).
     if start >= 16 * chunk:
-        assert storage_bytes(ring) <= 1.02 * storage_bytes(dynamic) + growth_room(ring)
+        assert kv_bytes_held(ring) <= 1.02 * kv_bytes_held(dynamic) + growth_room(ring)
 
 
 def test_chunked_layers_hold_their_chunk_and_the_report_names_them():
