@@ -100,7 +100,7 @@ def build_layer(spec: LayerSpec, options: CacheOptions, workspace: DequantWorksp
     """The storage of one layer: from `LAYER_STORAGE`, or a `DummyLayer` for layers that store nothing here."""
     if not spec.stores:
         return DummyLayer()
-    return LAYER_STORAGE[options.storage(spec.storage_kind)](spec, options, workspace)
+    return LAYER_STORAGE[options.storage(spec.kind)](spec, options, workspace)
 
 
 def _settled(method: Callable) -> Callable:
@@ -191,7 +191,7 @@ class HybridRingCache(Cache):
     holds_its_stage = True
     # Options read as attributes (`dense_decode_mask` may be changed between steps).
     max_cache_len = property(lambda self: self.options.max_cache_len)
-    layer_kinds = property(lambda self: [spec.storage_kind for spec in self.specs], doc="Each layer's role (specs).")
+    layer_kinds = property(lambda self: [spec.kind for spec in self.specs], doc="Each layer's role (specs).")
     dense_decode_mask = property(
         lambda self: self.options.dense_decode_mask,
         lambda self, value: setattr(self, "options", replace(self.options, dense_decode_mask=value)),

@@ -71,11 +71,6 @@ class LayerSpec(Frozen):
         return self.kind in (SLIDING, FULL, CHUNKED)
 
     @property
-    def storage_kind(self) -> str:
-        """How the cache stores the layer: `SLIDING`, `FULL` or `CHUNKED` for storing layers (the layer's kind)."""
-        return self.kind
-
-    @property
     def kv_heads(self) -> int | None:
         """KV heads of the layer (the query heads when the config declares no KV heads)."""
         return self.declared_kv_heads or self.query_heads
@@ -284,7 +279,7 @@ def kv_heads_per_rank(specs: list[LayerSpec], num_heads: int, tp_size: int) -> l
     the storing layers declare one count; when they declare different counts per layer type (Gemma 4), each layer's
     count divided by the tensor-parallel degree `tp_size`, and `num_heads` must be one of those."""
     declared = [spec.declared_kv_heads or num_heads for spec in specs]
-    storing = {count for count, spec in zip(declared, specs) if spec.storage_kind in (SLIDING, FULL, CHUNKED)}
+    storing = {count for count, spec in zip(declared, specs) if spec.stores}
     if len(storing) <= 1:
         return [num_heads] * len(declared)
     if any(count % tp_size for count in storing):

@@ -135,7 +135,7 @@ def test_restrict_to_stage_refuses_a_ring_cache_which_holds_its_stage_itself():
     layers = list(cache.layers)
     with pytest.raises(TypeError, match="for_model"):
         restrict_to_stage(cache, range(3, 6))
-    assert cache.layers == layers and cache.layer_kinds == [spec.storage_kind for spec in cache.specs]
+    assert cache.layers == layers and cache.layer_kinds == [spec.kind for spec in cache.specs]
 
 
 @needs_tp

@@ -69,7 +69,7 @@ def test_tools_geometry_and_bytes_follow_layer_specs(name):
     assert plan["full"].total_bytes == 2 * 40 * full_cache_bytes_per_token(config, torch.float32)
     layers_by_type = {}
     for spec in specs:
-        layers_by_type[spec.storage_kind] = layers_by_type.get(spec.storage_kind, 0) + 1
+        layers_by_type[spec.kind] = layers_by_type.get(spec.kind, 0) + 1
     assert plan["ring"].layers_by_type == layers_by_type
 
 
@@ -87,7 +87,7 @@ def test_gemma4_specs_as_declared():
 def _check_storage(cache: HybridRingCache, specs, batch: int) -> None:
     """Each layer of the container holds what its spec says: its KV heads and head size, a ring of the window for a
     sliding layer, nothing for a KV-shared one."""
-    assert cache.layer_kinds == [spec.storage_kind for spec in specs]
+    assert cache.layer_kinds == [spec.kind for spec in specs]
     for spec, layer in zip(specs, cache.layers):
         if not spec.stores:
             assert getattr(layer, "keys", None) is None, spec

@@ -57,7 +57,7 @@ def _describe(config: PreTrainedConfig, tp_size: int) -> str:
     geometry = layer_kv_geometry(text)
     parts = []
     for kind in (SLIDING, CHUNKED, FULL, SHARED):
-        indices = [spec.index for spec in specs if spec.storage_kind == kind]
+        indices = [spec.index for spec in specs if spec.kind == kind]
         if not indices:
             continue
         shapes = sorted({geometry[i] for i in indices if geometry[i] is not None})
