@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from hybrid_cache import HybridRingCache
 from hybrid_cache.compat import cache_kwargs
 from hybrid_cache.ring import RingSlidingLayer
-from hybrid_cache.specs import FULL, SHARED, SLIDING, layer_specs
+from hybrid_cache.specs import CHUNKED, FULL, SHARED, SLIDING, layer_specs
 from hybrid_cache.tools.bench.workload import exact_kv_bytes, live_kv_bytes, random_prefill
 from hybrid_cache.tools.compare import full_cache_bytes_per_token, kv_bytes_held, layer_kv_geometry
 from hybrid_cache.tools.perplexity import has_sliding_layers
@@ -49,7 +49,7 @@ def test_tools_geometry_and_bytes_follow_layer_specs(name):
     for spec in specs:
         if spec.stores:
             assert spec.kv_heads >= 1 and spec.head_dim >= 1, spec
-        assert (spec.window is not None) == (spec.kind == SLIDING), spec
+        assert (spec.window is not None) == (spec.kind in (SLIDING, CHUNKED)), spec  # the window, or the chunk
     assert layer_kv_geometry(config) == _expected_geometry(specs)
     assert has_sliding_layers(config) == any(spec.kind == SLIDING for spec in specs)
 

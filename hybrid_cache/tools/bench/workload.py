@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from hybrid_cache.code_attention import CODE_ATTENTION
-from hybrid_cache.specs import SLIDING, layer_specs
+from hybrid_cache.specs import layer_specs
 
 from ..compare import layer_kv_geometry, text_config
 
@@ -198,21 +198,21 @@ def step_inputs(
 
 def live_kv_bytes(model: Any, batch: int, length: int, dtype: torch.dtype) -> int:
     """K/V bytes the attention must read in one decode step at cache length `length` (window-limited), from the
-    layers' specifications (`hybrid_cache.specs.layer_specs`): `min(length, window)` tokens in sliding layers,
-    `length` in the other storing layers, nothing in KV-shared layers."""
+    layers' specifications (`hybrid_cache.specs.layer_specs`): `min(length, window)` tokens in sliding layers (in
+    chunked ones, `min(length, chunk)`: what their ring holds), `length` in full layers, nothing in KV-shared layers."""
     element = torch.empty((), dtype=dtype).element_size()
     total = 0
     for spec in layer_specs(text_config(model)):
         if not spec.stores:
             continue
-        tokens = min(length, spec.window) if spec.kind == SLIDING else length
+        tokens = min(length, spec.window) if spec.window is not None else length
         total += 2 * batch * spec.kv_heads * spec.head_dim * element * tokens
     return total
 
 
 def exact_kv_bytes(model: Any, batch: int, tokens: int, dtype: torch.dtype) -> int:
     """K/V bytes of a cache sized exactly for `tokens` tokens: every token in full layers, ``min(tokens, window)`` in
-    sliding layers, nothing in KV-shared layers. What ``StaticCache(max_cache_len=tokens)`` allocates, and the floor
+    sliding layers (``min(tokens, chunk)`` in chunked ones), nothing in KV-shared layers. What ``StaticCache(max_cache_len=tokens)`` allocates, and the floor
     for any cache that must serve the next decode step without copying."""
     return live_kv_bytes(model, batch, tokens, dtype)
 
