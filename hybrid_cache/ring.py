@@ -49,9 +49,8 @@ UndoT = TypeVar("UndoT")  # what undoes a recorded step (`ring.RingStepUndo`, `s
 @dataclasses.dataclass(eq=False)
 class SlotUndo:
     """What undoes the last step of a layer that overwrites slots in place: the runs of slots it overwrote, as they
-    were before it, and the counters before it. Kept for every step that overwrites at most `UNDO_SLOTS` held slots
-    (one slot for a decode step), until the next step; `crop` back to `length` (or below)
-    writes the runs back, so the layer is exactly as it was before the step, whatever its length."""
+    were, and the counters before it. Kept for every step that overwrites at most `UNDO_SLOTS` held slots (one for a
+    decode step), until the next step; `crop` back to `length` (or below) writes the runs back, exactly."""
 
     length: int  # cache length before the step
     oldest: int  # oldest held position before the step
@@ -100,7 +99,7 @@ class UndoableStepLayer(StorageLayer, Generic[UndoT]):
             self.values[:, :, slot : slot + count].copy_(value_states[:, :, source : source + count])
         self._advance(key_states.shape[-2])
 
-    def _advance(self, query_length: int) -> None:
+    def _advance(self, query_length: int) -> None:  # the counters after a step of `query_length` tokens
         raise NotImplementedError
 
     def _keep_overwritten(self, runs: SlotRuns, query_length: int) -> None:
@@ -138,8 +137,7 @@ class UndoableStepLayer(StorageLayer, Generic[UndoT]):
         A crop back to the start of the last step or before it writes back the slots that step overwrote, when they
         reach the new length; otherwise the held slots must reach it (every key the next query needs still held);
         else, within a recorded step, its kept window rewrites the positions up to the new length. A record is used
-        only while the layer is where its step left it (compiled steps keep none).
-        """
+        only while the layer is where its step left it (compiled steps keep none)."""
         length = int(self.cumulative_length)
         new_length = resolve_crop_length(tokens_to_remove, length)
         undo = self._undo
@@ -165,11 +163,9 @@ class UndoableStepLayer(StorageLayer, Generic[UndoT]):
     def undo_tensors(self) -> list[torch.Tensor]:
         """The tensors kept to undo the last step (the slots it overwrote, or a recorded step's window)."""
         undo = self._undo
-        if undo is None:
-            return []
         if isinstance(undo, SlotUndo):
             return [tensor for _, keys, values in undo.runs for tensor in (keys, values)]
-        return [field for field in vars(undo).values() if isinstance(field, torch.Tensor)]
+        return [] if undo is None else [field for field in vars(undo).values() if isinstance(field, torch.Tensor)]
 
     def extra_nbytes(self) -> int:
         """Counters plus what undoes the last step (the slots it overwrote, or a recorded step's window)."""
@@ -179,12 +175,10 @@ class UndoableStepLayer(StorageLayer, Generic[UndoT]):
     def activate_past_recording(self) -> None:
         """Called by assisted / prompt-lookup decoding before steps that may be rolled back with `crop(-n)`.
 
-        While recording, a multi-token step that overwrites slots keeps what is needed to undo it (for rings, the
-        time-ordered window it returns, a `cat` it makes anyway) until the next `update` or `crop`, so `crop` can
-        undo any part of that step exactly without growing the storage. Rollback of tokens from earlier steps is
-        limited to `rollback_margin + 1` tokens. A recorded step kept from before is released: recording starts
-        with the next step (otherwise that step would end it, as an update after a recorded step does).
-        """
+        While recording, a multi-token step that overwrites slots keeps what undoes it (for rings, the time-ordered
+        window it returns, a `cat` it makes anyway) until the next `update` or `crop`, so `crop` can undo any part of
+        it exactly without growing the storage; tokens of earlier steps roll back only within `rollback_margin + 1`.
+        A recorded step kept from before is released: recording starts with the next step."""
         self.record_past = True
         if not isinstance(self._undo, SlotUndo):
             self._undo = None
@@ -192,8 +186,7 @@ class UndoableStepLayer(StorageLayer, Generic[UndoT]):
     def deactivate_past_recording(self) -> None:
         """Stop recording and release a recorded step's window (the slots of the last step stay: they are small)."""
         self.record_past = False
-        if not isinstance(self._undo, SlotUndo):
-            self._undo = None
+        self._undo = self._undo if isinstance(self._undo, SlotUndo) else None
 
     def _ends_recording(self) -> None:
         """An update follows a recorded step that was never rolled back: speculative decoding (update, crop, update,
@@ -360,6 +353,10 @@ class RingSlidingLayer(UndoableStepLayer[RingStepUndo]):
         # Time-ordered keys from `first` on; the hook checks that the model's window does not reach further back.
         first = self._first_returned(query_length)
         return length - first + query_length, HeldFromOffset(first) if first else 0
+
+    def returned_key_count(self, query_length: int) -> int:
+        decode = self._step_kind(query_length) == "decode"
+        return self.max_slots if decode else self.cumulative_length - self._first_returned(query_length) + query_length
 
     def key_positions(self) -> torch.Tensor:
         """Absolute position of every key the last `update` returned, in the order returned (`-1`: empty slot).
@@ -531,10 +528,13 @@ class StaticRingSlidingLayer(RingSlidingLayer):
     def capacity_after(self, prompt_length: int, total_length: int) -> int:
         return self.max_slots  # all slots at the first update
 
-    # transformers declares `-> tuple[int, int]`: keys returned out of time order put a `RingLayout` in the
-    # offset's place, which this package's mask hook (mask_hook.py) reads; hence the wider return type.
+    def returned_key_count(self, query_length: int) -> int:
+        if query_length == 1 or self.tensor_steps:  # the ring (and a tensor step's own keys)
+            return self.max_slots + (query_length if query_length != 1 else 0)
+        return super().returned_key_count(query_length)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:  # type: ignore[override]
-        if query_length != 1 and not self.tensor_steps:
+        if query_length != 1 and not self.tensor_steps:  # (the `RingLayout` return type: see the parent's)
             return super().get_mask_sizes(query_length)
         compiling = is_torchdynamo_compiling()
         if query_length != 1:  # the ring as it was, then the step's own keys

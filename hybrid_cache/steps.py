@@ -9,9 +9,8 @@ masks. Three moments, and what this module does at each (`StepAdmission`, one pe
    mask creation sees, that the 2D attention mask covers the held tokens (`check_mask_covers`) and that the model's
    window does not reach a key the ring no longer holds (`refuse_unheld_key`); the ring layouts it was announced
    are recorded (`IssuedLayouts`).
-2. **A layer is about to write** (`StepAdmission.admit`, called by `HybridRingCache.update`): in a step whose masks
-   no mask creation announced, a prepared 4D mask has the width of the keys the layer returns
-   (`check_prepared_mask_width`; masks the hook built fit by construction); the first step after
+2. **A layer is about to write** (`StepAdmission.admit`, called by `HybridRingCache.update`): a 4D mask has the
+   width of the keys the layer returns (`check_prepared_mask_width`); the first step after
    `activate_past_recording` on held tokens continues them (`check_assisted_start`); at the step's first layer,
    every layer can hold the step (`check_capacity`, through each layer's `check_fits`) and compressed codes meet an
    attention that reads them (`check_code_attention`); a wrapped ring's layout was served by the hook
@@ -205,9 +204,9 @@ def check_prepared_mask_width(layer: Any, layer_idx: int, query_length: int) -> 
     tensor-shape error inside attention, or, for a width of 1, in a silent broadcast. The attention module passes
     its mask to the attention function, not to `cache.update`, so it is read from the calling frame's local
     `attention_mask` (`_caller_of_cache`: the attention forward that called `update`); when the caller has no such
-    local (a model that updates the cache elsewhere), nothing is checked. Masks built by the hook have the
-    right width by construction; only a tensor `[..., kv_length]` or a `BandedMask` (its `kv_length`) is compared (flex
-    attention's `BlockMask` is not).
+    local (a model that updates the cache elsewhere), nothing is checked. Masks the hook built are checked too: a model
+    may hand a layer the mask built for another layer type. Only a tensor `[..., kv_length]` or a `BandedMask` (its
+    `kv_length`) is compared (flex attention's `BlockMask` is not), against `returned_key_count` (no layout built).
     """
     caller = _caller_of_cache()
     mask = caller.f_locals.get("attention_mask") if caller is not None else None
@@ -217,11 +216,11 @@ def check_prepared_mask_width(layer: Any, layer_idx: int, query_length: int) -> 
         width = mask.shape[-1]
     else:
         return
-    kv_length = layer.get_mask_sizes(query_length)[0]
-    if width != int(kv_length):
+    kv_length = layer.returned_key_count(query_length)
+    if width != kv_length:
         raise PreparedMaskError(
             f"Layer {layer_idx} was given a prepared attention mask {width} keys wide, but HybridRingCache "
-            f"returns {int(kv_length)} keys for this step of {query_length} token(s) (a sliding-window ring returns "
+            f"returns {kv_length} keys for this step of {query_length} token(s) (a sliding-window ring returns "
             f"at most its window, in its own slot order once wrapped; a mask prepared for another cache, for this "
             f"one before a crop / reset / restore, or by a model whose own code sizes sliding masks for the whole "
             f"conversation (transformers 5.14's Gemma 3 / 4 given token types, where DynamicCache fails too) does not "
@@ -495,9 +494,10 @@ class StepAdmission:
         layers, journal = cache.layers, self.journal
         attention = getattr(cache.config, "_attn_implementation", None)
         code_attention_option = cache.options.full_layer_code_attention
+        # At every layer, masks the hook built included: a model may give a layer a mask built for another layer
+        # type (transformers 5.14's Gemma 3 / 4 given token types size sliding masks for the whole conversation).
+        check_prepared_mask_width(layers[layer_idx], layer_idx, query_length)
         starts = journal.starts_step(layer_idx)
-        if not (journal.armed if starts else journal.tracking):  # masks the hook built in this forward fit by design
-            check_prepared_mask_width(layers[layer_idx], layer_idx, query_length)
         if self.assisted_start:  # the first step of an assisted generate on held tokens
             check_assisted_start(self.assisted_start, query_length, _newest_position(update_kwargs))
             self.assisted_start = 0

@@ -222,6 +222,11 @@ class StorageLayer(CacheLayerMixin):
         device = self.storage_tensors()[0].device if self.is_initialized else None
         return torch.arange(int(self.cumulative_length), device=device)
 
+    def returned_key_count(self, query_length: int) -> int:
+        """How many keys `update` returns for a step of `query_length` tokens: the width of this step's mask
+        (`get_mask_sizes`' first value), without building a layout. Layers whose layout is a tensor override it."""
+        return int(self.get_mask_sizes(query_length)[0])
+
     def check_fits(self, query_length: int) -> None:
         """Raise `CacheCapacityError` (changing nothing) if a step of `query_length` tokens cannot be stored. Asked of
         every layer when a step starts, before the first one writes; storage that grows always fits."""

@@ -123,6 +123,12 @@ class SinkWindowFullLayer(UndoableStepLayer[SinkWindowStepUndo]):
         new = torch.arange(length, length + query_length, device=held.device)
         return self.max_slots + query_length, RingLayout(torch.cat([held, new]))
 
+    def returned_key_count(self, query_length: int) -> int:
+        kind = self._step_kind(query_length)
+        if kind in ("ordered", "fresh"):
+            return self.get_mask_sizes(query_length)[0]  # ints, no layout
+        return self.max_slots + (query_length if kind != "decode" else 0)
+
     # --- update ---------------------------------------------------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any

@@ -72,3 +72,62 @@ def test_prepared_masks_of_generate_pass(model, one_thread):
     with torch.no_grad():
         ring = model.generate(**inputs, **cache_kwargs(HybridRingCache(model.config, max_cache_len=30)), **kwargs)
         assert torch.equal(ring, model.generate(**inputs, use_cache=False, **kwargs))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_built_masks_handed_to_the_wrong_layer_type(model, seed, one_thread):
+    """The mask hook built this step's masks, but the model hands its sliding layers the full layers' mask (what
+    transformers 5.14's Gemma 3 / 4 do given token types): refused with `PreparedMaskError` before anything is
+    written, whatever the held length and step (random, before and after the wrap), and the cache continues exactly.
+    A width check skipped in steps whose masks the hook built let this end in a bare shape error inside attention."""
+    rng = torch.Generator().manual_seed(seed)
+    held, step = (int(torch.randint(low, high, (), generator=rng)) for low, high in ((1, 12), (2, 6)))
+    ids = tokens(held + step + 1, seed=seed)
+    cache = HybridRingCache(model.config)
+    sliding = [i for i, kind in enumerate(model.config.layer_types) if kind == "sliding_attention"]
+    full = model.config.layer_types.index("full_attention")
+    with torch.no_grad():
+        chunked_logits(model, cache, ids[:, :held], [held])
+        before = snapshot(cache)
+        full_width = cache.layers[full].returned_key_count(step)
+
+        def full_layers_mask(module, args, kwargs):
+            kwargs["attention_mask"] = torch.ones(1, 1, step, full_width, dtype=torch.bool)
+            return args, kwargs
+
+        layers = model.model.layers
+        handles = [layers[i].register_forward_pre_hook(full_layers_mask, with_kwargs=True) for i in sliding]
+        try:
+            expected_width = cache.layers[sliding[0]].returned_key_count(step)
+            if full_width == expected_width:  # the ring has not dropped anything yet: the mask fits
+                chunked_logits(model, cache, ids[:, : held + step], [step], start=held)
+                return
+            with pytest.raises(PreparedMaskError, match=rf"{full_width} keys wide.*returns {expected_width} keys"):
+                model(input_ids=ids[:, held : held + step], **cache_kwargs(cache))
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert_unchanged(before, cache)
+        got = chunked_logits(model, cache, ids, [step, 1], start=held)
+        assert_close(got, no_cache_logits(model, ids)[:, held:], "after the refused step")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_cache_len": 40}, {"full_layer_window": 5, "full_layer_sink_tokens": 2}],
+    ids=["growing", "fixed", "sink-window"],
+)
+def test_returned_key_count_is_the_mask_width(model, options, one_thread):
+    """`returned_key_count` (what the width check compares, no layout built) equals `get_mask_sizes`' width, for
+    every layer kind and step length, before and after the wrap, over a random schedule."""
+    rng = torch.Generator().manual_seed(len(options))
+    cache = HybridRingCache(model.config, **options)
+    ids, position = tokens(36), 0
+    with torch.no_grad():
+        while position < 30:
+            for layer in cache.layers:
+                for query in (1, 2, WINDOW, WINDOW + 3):
+                    assert layer.returned_key_count(query) == int(layer.get_mask_sizes(query)[0]), (position, query)
+            size = int(torch.randint(1, 2 * WINDOW, (), generator=rng))
+            chunked_logits(model, cache, ids[:, : position + size], [size], start=position)
+            position += size
