@@ -51,6 +51,7 @@ from .specs import declared_window
 from .steps import check_mask_covers, refuse_unheld_key
 
 __all__ = [
+    "PROGRAM_ATTENTION",
     "SUPPORTED_ATTN_IMPLEMENTATIONS",
     "CacheOffset",
     "ConversationMismatchError",
@@ -70,7 +71,10 @@ __all__ = [
 # Mask functions the hook knows how to serve for a ring layout: each evaluates a mask function at arbitrary key
 # positions (sdpa/eager materialize a dense [batch, 1, q, kv] mask, flex_attention a BlockMask from the same function).
 # CODE_ATTENTION is hybrid_cache's own attention function (SDPA, or attention on compressed codes), with SDPA's mask.
-SUPPORTED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", CODE_ATTENTION)
+#: The attention of an ExecuTorch runner program (`hybrid_cache.export.runner`, registered only by an export): its mask
+#: function is sdpa's, its attention ExecuTorch's fused kernel.
+PROGRAM_ATTENTION = "hybrid_cache_program"
+SUPPORTED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", CODE_ATTENTION, PROGRAM_ATTENTION)
 
 _HOOK_MARKER = "_hybrid_cache_hook_of"
 _install_lock = threading.Lock()

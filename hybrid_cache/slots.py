@@ -40,13 +40,17 @@ def floor_mod(value: torch.Tensor, modulus: int) -> torch.Tensor:
 
 
 def slot_positions(
-    length: int | torch.Tensor, capacity: int, first: int = 0, device: torch.device | None = None
+    length: int | torch.Tensor,
+    capacity: int,
+    first: int = 0,
+    device: torch.device | None = None,
+    count: Any = None,
 ) -> torch.Tensor:
     """The newest position `p < length` held by each slot of a ring of `capacity` slots that keeps positions `p >=
-    first` in slot `(p - first) % capacity` (`[capacity]`; below `first` where no such position was written yet).
-    The one formula of the ring's layout: eager, compiled and exported steps all read slot positions from it;
-    `length` may be a 0-d tensor (a compiled step's counter, an exported program's input)."""
-    slot_ids = torch.arange(capacity, device=device)
+    first` in slot `(p - first) % capacity` (`[capacity]`, or its first `count` slots; below `first` where no such
+    position was written yet). The one formula of the ring's layout: eager, compiled and exported steps all read slot
+    positions from it; `length` may be a 0-d tensor (a compiled step's counter, an exported program's input)."""
+    slot_ids = torch.arange(capacity if count is None else count, device=device)
     return (length - 1) - floor_mod((length - 1 - first) - slot_ids, capacity)
 
 
@@ -59,10 +63,13 @@ def advance_oldest(oldest: int | torch.Tensor, length: int | torch.Tensor, capac
     return max(oldest, length - capacity)
 
 
-def window_reaches(new_length: int, oldest: int, window: int, first: int = 0) -> bool:
+def window_reaches(new_length: Any, oldest: Any, window: int, first: int = 0) -> Any:
     """Whether a ring holding every position from `oldest` on can continue at `new_length` exactly: the next query
     sees `new_length - window + 1 .. new_length - 1` (positions below `first`, a bounded layer's sinks, are kept
-    apart). The rule of every `crop`, in the eager cache and in an exported program's runner."""
+    apart). The rule of every `crop`, in the eager cache, in an exported program's runner and, on tensors (a bool
+    tensor), inside a runner program."""
+    if isinstance(oldest, torch.Tensor) or isinstance(new_length, torch.Tensor):
+        return torch.as_tensor(oldest) <= torch.clamp(torch.as_tensor(new_length) - window + 1, min=first)
     return oldest <= max(first, new_length - window + 1)
 
 

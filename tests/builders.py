@@ -87,6 +87,7 @@ def tiny_gemma4(
     global_kv_heads: int = 1,
     per_layer_input: int = 8,
     global_head_dim: int = 16,
+    vocab: int = VOCAB,
 ) -> Gemma4ForCausalLM:
     """Gemma 4 text model with KV-shared layers and different head size / KV heads for sliding and full layers.
 
@@ -96,8 +97,8 @@ def tiny_gemma4(
     layer_types = layer_types[:layers]
     layer_types[-1] = "full_attention"
     config = Gemma4TextConfig(
-        vocab_size=VOCAB,
-        vocab_size_per_layer_input=VOCAB,
+        vocab_size=vocab,
+        vocab_size_per_layer_input=vocab,
         hidden_size=32,
         hidden_size_per_layer_input=per_layer_input,
         intermediate_size=64,

@@ -20,6 +20,7 @@ docs/export.md says how it is built, what it measures and what it leaves out.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -64,12 +65,14 @@ def export_program(
     chunk_size: int = 64,
     rollback_margin: int = 0,
     progress: Callable[[str], None] | None = None,
+    quantize: str | None = None,
 ) -> ExportReport:
     """Export `model` (a causal LM whose config may declare `sliding_attention` layers, in eval mode, on the CPU) to
     one program at `path`: `.pte` (torch.export, lowered to XNNPACK, for ExecuTorch's runtime) or `.onnx` (torch's
     ONNX exporter, for ONNX Runtime). Sliding layers hold exactly `sliding_window` slots (`+ rollback_margin`), full
     layers `max_cache_len`, KV-shared layers nothing. Prompts are fed in steps of at most `chunk_size` tokens.
-    `progress` is told each stage (export, lowering, writing).
+    `progress` is told each stage (export, lowering, writing). `quantize="8da4w"` (`.pte` only): 4-bit weights and
+    8-bit embeddings (`quantize.py`), on a copy of the model (the model given is left as it is).
 
     The program's masks are sdpa's (or eager's, for a model on `"eager"`). A model on `"hybrid_cache_sdpa"` (what
     `hybrid_cache.tools.models.load_model` gives; its results are sdpa's) is switched to `"sdpa"` for the export and
@@ -82,11 +85,24 @@ def export_program(
             f"export_program needs chunk_size >= 2, max_cache_len >= 1 and rollback_margin >= 0; got {chunk_size}, "
             f"{max_cache_len}, {rollback_margin}."
         )
+    if quantize is not None and runtime != "executorch":
+        raise ValueError(f"quantize={quantize!r} is for ExecuTorch programs (.pte); {path.suffix} programs are fp32.")
     tell = progress or (lambda message: None)
     began = time.perf_counter()
+    if quantize is not None:
+        from .quantize import quantize_model
+
+        tell(f"quantizing: {quantize} (torchao)")
+        model = quantize_model(copy.deepcopy(model), quantize)
     with _sdpa_masks(model):
-        module = ProgramModule(model.eval(), max_cache_len, rollback_margin, functional=runtime == "onnx")
-        metadata = ProgramMetadata.describe(model, module, runtime, max_cache_len, chunk_size)
+        module: Any
+        if runtime == "executorch":  # ExecuTorch's stock runner feeds a whole prompt in one call
+            from .runner import RunnerProgram
+
+            module, chunk_size = RunnerProgram(model.eval(), max_cache_len, rollback_margin), max_cache_len
+        else:
+            module = ProgramModule(model.eval(), max_cache_len, rollback_margin, functional=True)
+        metadata = ProgramMetadata.describe(model, module, runtime, max_cache_len, chunk_size, quantize)
         note = None
         if metadata.window is None:
             note = "no sliding_attention layers: every layer keeps max_cache_len slots (a plain static cache)"

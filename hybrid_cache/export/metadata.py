@@ -15,8 +15,9 @@ from ..version import __version__
 __all__ = ["FORMAT", "FORMAT_VERSION", "METADATA_KEY", "LayerInfo", "ProgramMetadata"]
 
 FORMAT = "hybrid_cache.program"
-#: The layout of the programs' inputs, outputs and state; a program of another version is refused at load.
-FORMAT_VERSION = 1
+#: The layout of the programs' inputs, outputs and state; a program of another version is refused at load. 2: the
+#: `.pte` is one `forward(tokens, start_pos)` with its counters in its state, for ExecuTorch's stock runner.
+FORMAT_VERSION = 2
 #: The ExecuTorch constant method / ONNX metadata key that holds the metadata (JSON).
 METADATA_KEY = "hybrid_cache_metadata"
 
@@ -44,6 +45,7 @@ class ProgramMetadata:
         eos_token_ids: where `generate` stops by default.
         vocab_size: the model's; the runner refuses a token id outside `[0, vocab_size)` before any step.
         dtype, model_type: the model's.
+        quantization: how the weights were quantized (`quantize.QUANTIZATIONS`), or None.
     """
 
     runtime: str
@@ -56,12 +58,21 @@ class ProgramMetadata:
     vocab_size: int
     dtype: str
     model_type: str
+    quantization: str | None = None
     hybrid_cache: str = __version__
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
     @classmethod
-    def describe(cls, model: Any, module: Any, runtime: str, max_cache_len: int, chunk_size: int) -> ProgramMetadata:
+    def describe(
+        cls,
+        model: Any,
+        module: Any,
+        runtime: str,
+        max_cache_len: int,
+        chunk_size: int,
+        quantization: str | None = None,
+    ) -> ProgramMetadata:
         """The metadata of `model` exported as `module` (a `step.ProgramModule`) for `runtime`."""
         specs = module.cache.specs
         windows = {spec.window for spec in specs if spec.kind == SLIDING}
@@ -83,8 +94,9 @@ class ProgramMetadata:
             layers=tuple(LayerInfo(spec.index, spec.kind, spec.stores) for spec in specs),
             eos_token_ids=eos_ids,
             vocab_size=int(module.cache.config.vocab_size),
-            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            dtype=str(next(p for p in model.parameters() if p.is_floating_point()).dtype).removeprefix("torch."),
             model_type=str(getattr(module.cache.config, "model_type", "")),
+            quantization=quantization,
         )
 
     def to_json(self) -> str:

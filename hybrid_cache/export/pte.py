@@ -1,11 +1,15 @@
-"""ExecuTorch: a `ProgramModule` exported to one `.pte` (methods `decode`, `chunk`, `reset` sharing the state
-buffers; XNNPACK for the model's dense ops) and run with ExecuTorch's runtime (its Python bindings).
+"""ExecuTorch: a `RunnerProgram` exported to one `.pte` that ExecuTorch's stock LLM runner (`TextLLMRunner`) drives:
+one method `forward(tokens [1, n], start_pos [1])`, `n` dynamic from 1 to `max_cache_len`, the metadata methods the
+runner reads, XNNPACK for the model's dense ops and ExecuTorch's LLM custom ops for the cache (`runner.py`). The same
+file runs under this package's runner (`ExecuTorchBackend`, `load_program`), which adds rollback and step admission.
 
-How it is lowered, and why (each a trap met on ExecuTorch 1.5.1, docs/export.md): the methods share their mutable
-buffers (`share_mutable_buffers`), whose names are emitted so the runner can read their shapes; the re-inplace pass
-runs, without which every `index_copy_` copies the whole buffer (12-23 ms a step on a 32 MiB cache, against 0.1 ms);
-the buffers start uninitialized, so the runner calls `reset` (a zero fill) before the first step; the metadata is a
-constant method (`metadata.METADATA_KEY`).
+What a user imports to run it elsewhere: `executorch.extension.llm.custom_ops.custom_ops` (the `llama::` ops) and, for
+a quantized program, `executorch.kernels.quantized` (8-bit embeddings), before building the runner.
+
+How it is lowered, and why (each a trap met on ExecuTorch 1.5.1, docs/export.md): the buffers' names are emitted so
+the runner can read their shapes; the re-inplace pass runs, without which an in-place write copies its whole buffer;
+the buffers start uninitialized and nothing zero-fills them (the stock runner calls no reset): the program never reads
+a slot it did not write; the metadata is a constant method (`metadata.METADATA_KEY`) next to the runner's own.
 """
 
 from __future__ import annotations
@@ -19,72 +23,56 @@ import torch
 
 from ..errors import ProgramFormatError
 from .metadata import METADATA_KEY, ProgramMetadata
-from .step import ProgramModule, example_counters, exporter_quiet, state_names
+from .quantize import without_padding_idx
+from .runner import RunnerProgram, runner_metadata_methods
+from .step import exporter_quiet, state_names
 
-__all__ = ["ExecuTorchBackend", "export_pte"]
-
-
-class _Step(torch.nn.Module):
-    """The `decode` / `chunk` method, a module over the `ProgramModule` (every method sees the same buffer names,
-    which ExecuTorch shares between methods)."""
-
-    def __init__(self, program: ProgramModule) -> None:
-        super().__init__()
-        self.program = program
-
-    def forward(self, input_ids: torch.Tensor, start: torch.Tensor, oldest: torch.Tensor) -> Any:
-        return self.program.step(input_ids, start, oldest)
+__all__ = ["ExecuTorchBackend", "export_pte", "load_llm_ops"]
 
 
-class _Reset(torch.nn.Module):
-    """The `reset` method: zero every state buffer."""
-
-    def __init__(self, program: ProgramModule) -> None:
-        super().__init__()
-        self.program = program
-
-    def forward(self) -> torch.Tensor:
-        return self.program.reset()
+def load_llm_ops() -> None:
+    """Load ExecuTorch's LLM custom ops (`llama::custom_sdpa`, `llama::update_cache`, ...) and quantized kernels into
+    this process: what a runner program's methods call."""
+    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+    import executorch.kernels.quantized  # noqa: F401
 
 
-def export_pte(module: ProgramModule, path: Path, metadata: ProgramMetadata, progress: Callable[[str], None]) -> None:
-    """Export `module`'s three methods, lower them to XNNPACK and write the `.pte` at `path`."""
+def export_pte(program: RunnerProgram, path: Path, metadata: ProgramMetadata, progress: Callable[[str], None]) -> None:
+    """Export `program`'s `forward`, lower it to XNNPACK and write the `.pte` at `path`."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes import MemoryPlanningPass
     from torch.export import Dim, export
 
-    one = torch.ones(1, dtype=torch.long)
-    counters = example_counters()
-    chunk_ids = one.repeat(1, min(metadata.chunk_size, 3))
-    with exporter_quiet(), torch.no_grad():
-        progress("export: torch.export of the decode, chunk and reset steps")
-        programs = {
-            "decode": export(_Step(module), (one.view(1, 1), *counters), strict=False),
-            "chunk": export(
-                _Step(module),
-                (chunk_ids, *counters),
-                dynamic_shapes=({1: Dim.DYNAMIC(min=2, max=metadata.chunk_size)}, None, None),
-                strict=False,
-            ),
-            "reset": export(_Reset(module), (), strict=False),
-        }
+    load_llm_ops()
+    tokens = torch.ones(1, 2, dtype=torch.long)
+    start = torch.zeros(1, dtype=torch.long)
+    methods: dict[str, Any] = runner_metadata_methods(program, metadata.eos_token_ids, metadata.vocab_size)
+    methods[METADATA_KEY] = torch.tensor(list(metadata.to_json().encode()), dtype=torch.uint8)
+    with exporter_quiet(), torch.no_grad(), program.attention(), without_padding_idx(program.model):
+        progress("export: torch.export of forward(tokens, start_pos)")
+        exported = export(
+            program,
+            (tokens, start),
+            dynamic_shapes=({1: Dim("tokens", min=1, max=program.max_cache_len)}, None),
+            strict=False,
+        )
         progress("lowering: ExecuTorch edge dialect, XNNPACK delegate")
         edge = to_edge_transform_and_lower(
-            programs,
+            {"forward": exported},
             partitioner=[XnnpackPartitioner()],
             compile_config=EdgeCompileConfig(_check_ir_validity=False),
-            constant_methods={METADATA_KEY: torch.tensor(list(metadata.to_json().encode()), dtype=torch.uint8)},
+            constant_methods=methods,
         )
         config = ExecutorchBackendConfig(
-            memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
             emit_mutable_buffer_names=True,
             run_reinplace_pass=True,
+            do_quant_fusion_and_const_prop=True,  # a dequantized embedding becomes `embedding_byte`
+            extract_delegate_segments=True,
         )
-        program = edge.to_executorch(config)
+        executorch_program = edge.to_executorch(config)
     progress(f"writing: {path}")
     with open(path, "wb") as file:
-        program.write_to_file(file)
+        executorch_program.write_to_file(file)
 
 
 class ExecuTorchBackend:
@@ -95,6 +83,7 @@ class ExecuTorchBackend:
             head = file.read(8)
         if head[4:6] != b"ET":  # a flatbuffer whose file identifier (bytes 4-8) is ExecuTorch's, "ET12"
             raise ProgramFormatError(f"{path} is not an ExecuTorch program (.pte): it does not start as one.")
+        load_llm_ops()
         from executorch.runtime import Runtime
 
         try:
@@ -105,21 +94,26 @@ class ExecuTorchBackend:
             raise ProgramFormatError(f"{path} is an ExecuTorch program but not one exported by hybrid_cache.")
         raw = program.load_method(METADATA_KEY).execute([])[0]
         self.metadata = ProgramMetadata.from_json(bytes(raw.tolist()).decode(errors="replace"), str(path))
-        missing = {"decode", "chunk", "reset"} - set(program.method_names)
-        if missing:
-            raise ProgramFormatError(f"{path}: a hybrid_cache program without its {sorted(missing)} method(s).")
-        self._methods = {name: program.load_method(name) for name in ("decode", "chunk", "reset")}
+        if "forward" not in program.method_names:
+            raise ProgramFormatError(f"{path}: a hybrid_cache program without its forward method.")
+        self._forward = program.load_method("forward")
         self._names = [name for layer in self.metadata.layers if layer.stores for name in state_names(layer.index)]
 
     def step(self, input_ids: torch.Tensor, start: int, oldest: int) -> torch.Tensor:
-        method = self._methods["decode" if input_ids.shape[1] == 1 else "chunk"]
-        counters = (torch.tensor([start], dtype=torch.long), torch.tensor([oldest], dtype=torch.long))
-        return method.execute([input_ids.contiguous(), *counters])[0]
+        """`oldest` is the program's own (its state): the runner's, kept for rollback admission, is the same."""
+        logits = self._forward.execute([input_ids.contiguous(), torch.tensor([start], dtype=torch.long)])[0]
+        return logits
 
     def zero_state(self) -> None:
-        self._methods["reset"].execute([])
+        """Nothing to zero: the program starts a new conversation at `start_pos == 0` and never reads a slot it did
+        not write."""
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The program's state buffers by name (ExecuTorch's `get_attribute` of the mutable buffers' names), in
+        ExecuTorch's layout `[batch, slots, heads, head_dim]`: views of the program's memory, not copies."""
+        return {name: torch.as_tensor(self._forward._method.get_attribute(name)) for name in self._names}
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Read from the program's own buffers (ExecuTorch's `get_attribute` of the mutable buffers' names)."""
-        method = self._methods["decode"]
-        return {name: tuple(method._method.get_attribute(f"program.{name}").shape) for name in self._names}
+        """The state's shapes in the layout of `step.ProgramModule`'s, `[batch, heads, slots, head_dim]`."""
+        return {name: (s[0], s[2], s[1], s[3]) for name, s in ((n, t.shape) for n, t in self.state.items())}

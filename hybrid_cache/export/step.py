@@ -32,12 +32,26 @@ from ..cache import HybridRingCache
 from ..compat import cache_kwargs
 from ..storage import SlotWrites
 
-__all__ = ["EagerBackend", "FunctionalWrites", "ProgramModule", "example_counters", "exporter_quiet", "state_names"]
+__all__ = [
+    "EagerBackend",
+    "FunctionalWrites",
+    "ProgramModule",
+    "example_counters",
+    "exporter_quiet",
+    "model_parameter",
+    "state_names",
+]
 
 
 def state_names(layer_idx: int) -> tuple[str, str]:
     """The names of layer `layer_idx`'s keys and values in the program (buffers, or ONNX inputs / outputs)."""
     return f"keys_{layer_idx}", f"values_{layer_idx}"
+
+
+def model_parameter(model: Any) -> torch.Tensor:
+    """A floating-point parameter of `model`: its dtype and device are the model's (a quantized model's first
+    parameters may be integer codes)."""
+    return next(p for p in model.parameters() if p.is_floating_point())
 
 
 def example_counters() -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +117,7 @@ class ProgramModule(torch.nn.Module):
             )
         self.model = model
         self.cache = HybridRingCache(model.config, max_cache_len=max_cache_len, rollback_margin=rollback_margin)
-        parameter = next(model.parameters())
+        parameter = model_parameter(model)
         specs = self.cache.specs  # the config, as the cache reads it: KV heads and head size of every layer
         heads = [spec.declared_kv_heads if spec.stores else None for spec in specs]
         sizes = [spec.declared_head_dim or (spec.hidden_size or 0) // (spec.query_heads or 1) for spec in specs]

@@ -6,6 +6,7 @@ takes."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -18,17 +19,31 @@ from hybrid_cache.export.metadata import ProgramMetadata
 from hybrid_cache.export.program import Program
 from hybrid_cache.export.step import EagerBackend, ProgramModule
 
+pytest.importorskip("executorch", reason="the export extra is not installed")
+from hybrid_cache.export.pte import load_llm_ops  # noqa: E402
+from hybrid_cache.export.runner import RunnerEagerBackend, RunnerProgram  # noqa: E402
+
 pytestmark = pytest.mark.export
+load_llm_ops()
 TOLERANCE = 1e-4
 
 
 def eager_program(model, max_cache_len: int, chunk_size: int, margin: int = 0, functional: bool = False) -> Program:
-    module = ProgramModule(model, max_cache_len, margin, functional=functional)
+    """The ONNX program's module (`functional`: state as inputs and outputs) or the ExecuTorch runner program's
+    (`RunnerProgram`: counters and storage in its buffers, ExecuTorch's LLM ops run eagerly), under this package's
+    runner, fed in steps of at most `chunk_size` tokens."""
+    module: Any
+    if functional:
+        module = ProgramModule(model, max_cache_len, margin, functional=True)
+        backend: Any = EagerBackend(module)
+    else:
+        module = RunnerProgram(model, max_cache_len, margin)
+        backend = RunnerEagerBackend(module)
     runtime = "onnx" if functional else "executorch"
-    return Program(EagerBackend(module), ProgramMetadata.describe(model, module, runtime, max_cache_len, chunk_size))
+    return Program(backend, ProgramMetadata.describe(model, module, runtime, max_cache_len, chunk_size))
 
 
-@pytest.mark.parametrize("functional", [False, True], ids=["buffers", "inputs-outputs"])
+@pytest.mark.parametrize("functional", [False, True], ids=["executorch-runner", "onnx"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
 def test_random_geometry_matches_the_no_cache_forward(family, seed, functional):
@@ -116,3 +131,62 @@ def test_export_gives_a_model_on_hybrid_cache_sdpa_its_attention_back_after_a_fa
     with pytest.raises(ValueError, match="set_attn_implementation\\('sdpa'\\)"):
         export_program(model, tmp_path / "x.onnx", max_cache_len=16, chunk_size=4)
     assert model.config._attn_implementation == "flex_attention" and seen == ["sdpa"]
+
+
+def runner_forward(program: RunnerProgram, ids: torch.Tensor, start: int) -> torch.Tensor:
+    with torch.no_grad(), program.attention():
+        return program(ids, torch.tensor([start]))
+
+
+def runner_state(program: RunnerProgram) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in RunnerEagerBackend(program).state.items()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_runner_program_never_reads_an_unwritten_slot(family, seed):
+    """The stock runner zero-fills nothing and ExecuTorch's buffers start as whatever memory held: with every state
+    buffer (counters included) full of NaN, then garbage from another conversation after `start_pos == 0`, each step
+    of a random schedule (prompts longer than the window in one call, decode past several wraps) equals the no-cache
+    forward: a slot the program did not write is never read."""
+    rng = random.Random(f"nan-{family}-{seed}")
+    window = rng.choice([2, 3, 5, 8])
+    model = (tiny_gemma3 if family == "gemma3" else tiny_gemma4)(window=window, seed=seed)
+    program = RunnerProgram(model, 64)
+    for tensor in RunnerEagerBackend(program).state.values():
+        tensor.fill_(float("nan") if tensor.is_floating_point() else -(2**40))
+    for conversation in range(2):
+        ids = torch.randint(3, VOCAB, (1, 60), generator=torch.Generator().manual_seed(seed * 10 + conversation))
+        expected = no_cache_logits(model, ids)[0]
+        start = 0
+        while start < 60:
+            length = min(60 - start, rng.choice([1, 1, 1, window, window + 1, 3 * window + 2]))
+            got = runner_forward(program, ids[:, start : start + length], start)
+            assert (got[0] - expected[start + length - 1]).abs().max() < TOLERANCE, (window, start, length)
+            start += length
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["gap", "past-capacity", "rollback-beyond-the-window"],
+)
+def test_runner_program_refuses_a_step_it_cannot_make_exact_before_writing(case):
+    """What the stock runner could send that no exact step follows: a start past the tokens held, a step past
+    `max_cache_len`, a start further back than the rings reach. The program raises at its first operation (an index
+    out of range: in ExecuTorch, an error the runner reports), every buffer unchanged; a rollback the rings reach and
+    the conversation's next step stay exact."""
+    model = tiny_gemma3(window=4)
+    program = RunnerProgram(model, 32)
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    expected = no_cache_logits(model, ids[:, :32])[0]
+    runner_forward(program, ids[:, :20], 0)
+    start, length = {"gap": (21, 1), "past-capacity": (20, 13), "rollback-beyond-the-window": (18, 1)}[case]
+    before = runner_state(program)
+    with pytest.raises((IndexError, RuntimeError)):
+        runner_forward(program, ids[:, start : start + length], start)
+    after = runner_state(program)
+    assert all(torch.equal(after[name], before[name]) for name in before), case
+    got = runner_forward(program, ids[:, 19:20], 19)  # a rollback of one token after the wrap: exact
+    assert (got[0] - expected[19]).abs().max() < TOLERANCE
+    got = runner_forward(program, ids[:, 20:32], 20)
+    assert (got[0] - expected[31]).abs().max() < TOLERANCE

@@ -154,11 +154,7 @@ BAD_INPUTS = {
 
 def program_state(program) -> dict[str, torch.Tensor]:
     """A copy of the program's state tensors: ONNX Runtime's, owned by the runner, or ExecuTorch's buffers."""
-    backend = program.backend
-    if hasattr(backend, "state"):
-        return {name: tensor.clone() for name, tensor in backend.state.items()}
-    method = backend._methods["decode"]._method
-    return {name: torch.as_tensor(method.get_attribute(f"program.{name}")).clone() for name in backend._names}
+    return {name: tensor.clone() for name, tensor in program.backend.state.items()}
 
 
 def assert_refused(program, bad, error, match) -> None:
@@ -228,7 +224,8 @@ def test_a_program_of_another_format_version_is_refused(exported, tmp_path, monk
 
     _, _, suffix, report = exported
     monkeypatch.setattr(metadata, "FORMAT_VERSION", metadata.FORMAT_VERSION + 1)
-    with pytest.raises(ProgramFormatError, match="program format 1.*runs format 2.*hybrid-cache-export"):
+    old, new = metadata.FORMAT_VERSION - 1, metadata.FORMAT_VERSION
+    with pytest.raises(ProgramFormatError, match=f"program format {old}.*runs format {new}.*hybrid-cache-export"):
         load_program(report.path)
 
 
@@ -281,3 +278,118 @@ def test_a_model_on_hybrid_cache_sdpa_is_exported_with_sdpa_masks(tmp_path, suff
     program = load_program(path)
     ids = prompt(13, seed=8)
     assert torch.equal(program.generate(ids, max_new_tokens=20), eager_generate(model, ids, 20))
+
+
+# --- ExecuTorch's stock runner ---------------------------------------------------------------------------------------
+# Run in a fresh process that imports only ExecuTorch's runner and ops (no hybrid_cache): the runner's token pieces for
+# each call, or "refused" where generate raised.
+STOCK_RUNNER = """
+import json, sys
+import executorch.extension.llm.custom_ops.custom_ops  # the llama:: ops the program calls
+from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+pte, tokenizer, calls = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+runner = TextLLMRunner(pte, tokenizer)
+results = []
+for call in calls:
+    if call == "reset":
+        runner.reset()
+        continue
+    text, new = call
+    pieces = []
+    try:
+        runner.generate(text, GenerationConfig(max_new_tokens=new, temperature=0, num_bos=0, echo=False), pieces.append)
+    except RuntimeError:
+        pieces = "refused"
+    results.append(pieces)
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def character_tokenizer(path) -> object:
+    """A tokenizer of the tiny models' vocabulary (`VOCAB`): one token per character, the rest unused; written as a
+    Hugging Face `tokenizer.json`, the format ExecuTorch's runner reads."""
+    import string
+
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for character in string.ascii_letters + string.digits + " .,!?;:'-":
+        vocab[character] = len(vocab)
+    vocab.update({f"<unused{i}>": i for i in range(len(vocab), VOCAB)})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.add_special_tokens(["<pad>", "<eos>", "<bos>"])
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+def test_executorch_stock_runner_runs_the_program(exported, tmp_path):
+    """ExecuTorch's `TextLLMRunner`, in a process without hybrid_cache: a prompt of 4 windows in one call, then a
+    second `generate` that continues the conversation (the runner does not feed its last generated token), a prompt
+    past `max_cache_len` refused without a crash, and after `reset()` the first conversation again: each call's tokens
+    equal eager `generate`'s with `DynamicCache` over the conversation as the runner holds it."""
+    import json
+    import subprocess
+    import sys
+
+    model, _, suffix, report = exported
+    if suffix != "pte":
+        pytest.skip("ExecuTorch's runner runs .pte programs")
+    tokenizer = character_tokenizer(tmp_path / "tokenizer.json")
+    first, second = "The ring holds a window of keys, no more.", " Then it wraps!"
+    calls = [[first, 12], [second, 10], ["x" * (MAX_CACHE_LEN + 1), 2], "reset", [first, 12]]
+    done = subprocess.run(
+        [sys.executable, "-c", STOCK_RUNNER, str(report.path), str(tmp_path / "tokenizer.json"), json.dumps(calls)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.split("RESULTS ", 1)[1])
+
+    def eager(ids: list[int], new: int) -> list[int]:
+        return eager_generate(model, torch.tensor([ids]), new)[0, len(ids) :].tolist()
+
+    def pieces(ids: list[int]) -> list[str]:
+        return [tokenizer.id_to_token(token) for token in ids]
+
+    ids = tokenizer.encode(first).ids
+    assert len(ids) > 4 * WINDOW
+    turn1 = eager(ids, 12)
+    assert results[0] == pieces(turn1)
+    held = ids + turn1[:-1] + tokenizer.encode(second).ids  # the last generated token is not fed
+    assert results[1] == pieces(eager(held, 10))
+    assert results[2] == "refused"
+    assert results[3] == results[0]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_quantized_program_agrees_with_the_quantized_model(family, tmp_path):
+    """`quantize="8da4w"`: the model given is left as it is; the program, fed a conversation step by step (a prompt
+    of 3 windows in one call, then one token at a time past several wraps), gives the logits of the same quantized
+    model without a cache (one forward of the whole sequence, teacher-forced) within 0.05 (XNNPACK quantizes
+    activations in its kernels, torchao's reference emulates it), and predicts its token wherever the reference's
+    two best logits are further apart than that (a tiny random model has near ties)."""
+    import copy
+
+    from hybrid_cache.export.quantize import quantize_model
+
+    model = BUILDERS[family](window=WINDOW)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    path = tmp_path / f"{family}-8da4w.pte"
+    stages: list[str] = []
+    report = export_program(model, path, max_cache_len=64, quantize="8da4w", progress=stages.append)
+    assert stages[0].startswith("quantizing: 8da4w")
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+    program = load_program(path)
+    assert program.metadata.quantization == "8da4w" and set(report.slots.values()) >= {WINDOW, 64}
+    reference = quantize_model(copy.deepcopy(model), "8da4w")
+    ids = prompt(60, seed=11)
+    expected = no_cache_logits(reference, ids)[0]
+    worst, agree = 0.0, 0
+    for end in range(3 * WINDOW, 61):
+        got, want = program.logits(ids[:, :end])[0], expected[end - 1]
+        worst = max(worst, float((got - want).abs().max()))
+        agree += int(got.argmax() == want.argmax())
+        assert got.argmax() == want.argmax() or want.max() - want[got.argmax()] < 0.05, end
+    assert worst < 0.05 and agree >= 60 - 3 * WINDOW - 3, (worst, agree)

@@ -2,12 +2,15 @@
 ExecuTorch (`.pte`) or ONNX Runtime (`.onnx`), and optionally generate from the exported file
 (``hybrid-cache-export`` or ``python -m hybrid_cache.tools.cli.export``)::
 
-    hybrid-cache-export gemma3.pte [--model PATH] [--max-cache-len 4096] [--chunk-size 64] [--rollback-margin 0]
-    hybrid-cache-export gemma3.onnx --run "The tragedy of" --max-new-tokens 32
+    hybrid-cache-export gemma3.pte --quantize 8da4w --run "The tragedy of"   # 4-bit, run by ExecuTorch's runner
+    hybrid-cache-export gemma3.pte [--model PATH] [--max-cache-len 4096] [--rollback-margin 0]
+    hybrid-cache-export gemma3.onnx --run "The tragedy of" --max-new-tokens 32 [--chunk-size 64]
     hybrid-cache-export gemma3.pte --run-only --run "The tragedy of"     # generate from a file exported before
 
 One progress line per stage (model, export, lowering, writing) and the file's size; with ``--run``, the prompt's
-tokens, the generated text and the decode speed. Needs the `export` extra (`pip install -e ".[export]"`). A user's
+tokens, the generated text and the speed. A `.pte` runs through ExecuTorch's own `TextLLMRunner` (the model's
+tokenizer written as `tokenizer.json` next to the program), exactly as an app would run it; a `.onnx` through this
+package's runner (`hybrid_cache.export.load_program`). Needs the `export` extra (`pip install -e ".[export]"`). A user's
 mistake (a wrong suffix, model or number, a missing extra, a file that is not a program) exits with status 2 and
 one line on stderr.
 """
@@ -15,8 +18,10 @@ one line on stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +29,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from ...export.quantize import QUANTIZATIONS
 from ..models import load_model
 
 __all__ = ["build_parser", "main"]
@@ -44,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("output", help="the program to write (or read with --run-only): NAME.pte or NAME.onnx")
     parser.add_argument("--model", default=None, help="a local checkpoint directory or .gguf (default: Gemma 3 270M)")
     parser.add_argument("--max-cache-len", type=int, default=4096, help="slots of each full layer (default 4096)")
-    parser.add_argument("--chunk-size", type=int, default=64, help="longest prompt step (default 64)")
+    parser.add_argument("--chunk-size", type=int, default=64, help="longest prompt step of a .onnx (default 64)")
+    parser.add_argument("--quantize", choices=QUANTIZATIONS, default=None, help="weights of a .pte (default fp32)")
     parser.add_argument("--rollback-margin", type=int, default=0, help="extra ring slots for rollback (default 0)")
     parser.add_argument("--run", metavar="PROMPT", default=None, help="generate from the exported file")
     parser.add_argument("--run-only", action="store_true", help="do not export: run the existing OUTPUT")
@@ -65,6 +72,8 @@ def _check_arguments(args: argparse.Namespace) -> Path:
         _fail(f"--chunk-size must be >= 2, got {args.chunk_size}")
     if args.rollback_margin < 0:
         _fail(f"--rollback-margin must be >= 0, got {args.rollback_margin}")
+    if args.quantize is not None and path.suffix != ".pte":
+        _fail(f"--quantize {args.quantize} is for .pte programs (ExecuTorch); a {path.suffix} program is fp32")
     if args.run_only and args.run is None:
         _fail("--run-only needs --run PROMPT")
     if args.run_only and not path.is_file():
@@ -94,7 +103,7 @@ def _load(name: str | None) -> tuple[Any, Any]:
 def _export(args: argparse.Namespace, path: Path, model: Any) -> None:
     from hybrid_cache.export import export_program
 
-    stages = {"export": 2, "lowering": 3, "writing": 4}
+    stages = {"quantizing": 1, "export": 2, "lowering": 3, "writing": 4}
     started = time.perf_counter()
 
     def progress(message: str) -> None:
@@ -109,6 +118,7 @@ def _export(args: argparse.Namespace, path: Path, model: Any) -> None:
         chunk_size=args.chunk_size,
         rollback_margin=args.rollback_margin,
         progress=progress,
+        quantize=args.quantize,
     )
     rings = sorted({slots for index, slots in report.slots.items() if slots and slots != args.max_cache_len})
     print(
@@ -119,6 +129,9 @@ def _export(args: argparse.Namespace, path: Path, model: Any) -> None:
 
 
 def _run(args: argparse.Namespace, path: Path, tokenizer: Any) -> None:
+    if path.suffix == ".pte":
+        _run_stock(args, path, tokenizer)
+        return
     from hybrid_cache.export import ProgramFormatError, load_program
 
     try:
@@ -135,6 +148,63 @@ def _run(args: argparse.Namespace, path: Path, tokenizer: Any) -> None:
     new = ids.shape[1] - input_ids.shape[1]
     print(f"prompt: {input_ids.shape[1]} tokens; {new} new in {seconds:.2f} s ({1000 * seconds / new:.1f} ms/token)")
     print(tokenizer.decode(ids[0, input_ids.shape[1] :], skip_special_tokens=True))
+
+
+def _run_stock(args: argparse.Namespace, path: Path, tokenizer: Any) -> None:
+    """Generate with ExecuTorch's `TextLLMRunner` (greedy), the tokenizer written as `<program>.tokenizer.json`."""
+    from hybrid_cache.export import ProgramFormatError, load_program
+    from hybrid_cache.export.pte import load_llm_ops
+
+    try:
+        load_program(path)  # a one-line answer for a file that is not a program of this package
+    except ProgramFormatError as exc:
+        _fail(str(exc))
+    load_llm_ops()
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+    tokenizer_json = path.with_suffix(".tokenizer.json")
+    tokenizer.backend_tokenizer.save(str(tokenizer_json))
+    ids = tokenizer(args.run).input_ids
+    bos = 1 if ids and ids[0] == tokenizer.bos_token_id else 0  # the runner's tokenizer adds no BOS by itself
+    stats: list[Any] = []
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=0, num_bos=bos, echo=False)
+    runner = TextLLMRunner(str(path), str(tokenizer_json))
+    try:
+        printed = _printed_by(lambda: runner.generate(args.run, config, None, stats.append))
+    except RuntimeError as exc:
+        _fail(f"ExecuTorch's runner refused the prompt ({exc}): is it longer than --max-cache-len?")
+    # The runner prints each piece (dropping bytes that are not text on their own), a newline and its statistics
+    # line, `PyTorchObserver {...}`, whose `generated_tokens` counts the tokens after the prompt's first.
+    text, _, observer = printed.partition("PyTorchObserver")
+    text = text.removesuffix("\n")
+    for special in tokenizer.all_special_tokens:
+        text = text.replace(special, "")
+    done = stats[-1]
+    new = json.loads(observer.splitlines()[0])["generated_tokens"] + 1 if observer else 0
+    seconds = (done.inference_end_ms - done.inference_start_ms) / 1000
+    decode = (done.inference_end_ms - done.first_token_ms) / max(args.max_new_tokens - 1, 1)
+    print(
+        f"prompt: {done.num_prompt_tokens} tokens; {new} new in {seconds:.2f} s (first token after "
+        f"{done.first_token_ms - done.inference_start_ms} ms, then {decode:.1f} ms/token; ExecuTorch's TextLLMRunner, "
+        f"tokenizer {tokenizer_json.name})"
+    )
+    print(text)
+
+
+def _printed_by(run: Any) -> str:
+    """What `run()` writes to the process's standard output (file descriptor 1: ExecuTorch's runner prints there
+    from C++, bytes that may split a character between pieces), decoded once it is whole."""
+    sys.stdout.flush()
+    with tempfile.TemporaryFile() as captured:
+        saved = os.dup(1)
+        os.dup2(captured.fileno(), 1)
+        try:
+            run()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        captured.seek(0)
+        return captured.read().decode(errors="replace")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
