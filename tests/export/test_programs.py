@@ -363,7 +363,7 @@ def test_executorch_stock_runner_runs_the_program(exported, tmp_path):
     assert results[3] == results[0]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+@pytest.mark.parametrize("family", ["gemma4"])  # per-layer input embeddings, two head sizes; one lowering (CI time)
 def test_quantized_program_agrees_with_the_quantized_model(family, tmp_path):
     """`quantize="8da4w"`: the model given is left as it is; the program, fed a conversation step by step (a prompt
     of 3 windows in one call, then one token at a time past several wraps), gives the logits of the same quantized
