@@ -72,7 +72,7 @@ __all__ = [
 # positions (sdpa/eager materialize a dense [batch, 1, q, kv] mask, flex_attention a BlockMask from the same function).
 # CODE_ATTENTION is hybrid_cache's own attention function (SDPA, or attention on compressed codes), with SDPA's mask.
 #: The attention of an ExecuTorch runner program (`hybrid_cache.export.runner`, registered only by an export): its mask
-#: function is sdpa's, its attention ExecuTorch's fused kernel.
+#: function is sdpa's, its attention ExecuTorch's fused kernel. Last in the list: not one a user picks.
 PROGRAM_ATTENTION = "hybrid_cache_program"
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", CODE_ATTENTION, PROGRAM_ATTENTION)
 
@@ -465,7 +465,7 @@ def check_ring_attention_supported(attn_implementation: str | None) -> None:
     implementation = attn_implementation or "sdpa"
     if implementation not in SUPPORTED_ATTN_IMPLEMENTATIONS:
         raise UnsupportedAttentionError(
-            f"HybridRingCache supports attn_implementation in {SUPPORTED_ATTN_IMPLEMENTATIONS} once its rings have "
+            f"HybridRingCache supports attn_implementation in {SUPPORTED_ATTN_IMPLEMENTATIONS[:-1]} once its rings have "
             f"wrapped, but the model uses {implementation!r}: its attention cannot be masked for keys stored in ring "
             f"order. Load the model with attn_implementation='sdpa' (or call `model.set_attn_implementation('sdpa')`), "
             f"or use `DynamicCache`."
