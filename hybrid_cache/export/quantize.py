@@ -54,6 +54,8 @@ def quantize_model(model: Any, quantization: str) -> Any:
         config = Int8DynamicActivationIntxWeightConfig(
             weight_dtype=torch.int4 if group else torch.int8,  # type: ignore[attr-defined]  # not in torch's stubs
             weight_granularity=PerGroup(group) if group else PerAxis(0),
+            # XNNPACK keeps blockwise scales in bf16: the reference (this model, eager) rounds them the same way.
+            weight_scale_dtype=torch.bfloat16 if group else None,
         )
         quantize_(model, config, lambda module, name, group=group: groups.get(module) == group)
     unwrap_tensor_subclass(model)
