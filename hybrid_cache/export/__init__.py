@@ -1,20 +1,23 @@
-"""`hybrid_cache.export`: one exported program that decodes forever in `sliding_window` slots, for ExecuTorch (`.pte`)
-and ONNX Runtime (`.onnx`).
+"""`hybrid_cache.export`: one exported program that decodes forever in `sliding_window` slots, for ExecuTorch (`.pte`,
+run by ExecuTorch's own `TextLLMRunner` or by this package's runner) and ONNX Runtime (`.onnx`).
 
 ```python
 from hybrid_cache.export import export_program, load_program
 
-export_program(model, "gemma3.pte", max_cache_len=4096, chunk_size=64)   # format from the suffix: .pte, .onnx
+export_program(model, "gemma3.pte", max_cache_len=2048, quantize="8da4w")   # format from the suffix: .pte, .onnx
 program = load_program("gemma3.pte")
 ids = program.generate(input_ids, max_new_tokens=128)   # greedy; LongTensor [1, prompt + new]
+program.rollback(1)        # exact within rollback_margin + 1 tokens after the wrap
 program.cache_slots()      # {layer index: slots held}, read from the program's own buffers / inputs
 program.reset()            # a new conversation on the same loaded program
 ```
 
-The program is the package's own cache in its fixed mode, every step tensor arithmetic (`step.ProgramModule`): the
-same slot arithmetic and ring-layout mask as the eager cache; a runner (`program.Program`) keeps the counters and
-admits every step with the eager cache's rules. Needs the `export` extra (ExecuTorch, ONNX, ONNX Runtime).
-docs/export.md says how it is built, what it measures and what it leaves out.
+Both programs are the package's own cache in its fixed mode, the same slot arithmetic and ring-layout mask as the
+eager cache. The `.pte` (`runner.RunnerProgram`) is one `forward(tokens, start_pos)` with its counters in its state
+and ExecuTorch's fused cache and attention ops, the interface of ExecuTorch's LLM runner; the `.onnx`
+(`step.ProgramModule`) takes its counters as inputs. This package's runner (`program.Program`) admits every step with
+the eager cache's rules. Needs the `export` extra (ExecuTorch, ONNX, ONNX Runtime). docs/export.md says how it is
+built, what it measures and what it leaves out.
 """
 
 from __future__ import annotations
