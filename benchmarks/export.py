@@ -2,7 +2,7 @@
 
 1. KV bytes held by the exported program against transformers' `TorchExportableModuleWithHybridCache` (every layer
    `max_cache_len` slots) and against a ring of `2 x window` slots (ExecuTorch's and optimum-executorch's rings), at
-   `max_cache_len` 4096 and 32768: the bytes of the state each one allocates (built, not exported).
+   `max_cache_len` 2048, 4096 and 32768: the bytes of the state each one allocates (built, not exported).
 2. Decode ms/token at context ~4096 in ExecuTorch's runtime, this program's `.pte` against transformers' module
    exported to `.pte` the same way (torch.export, XNNPACK, re-inplace pass); ONNX Runtime (this program's `.onnx`)
    against eager PyTorch with the ring (`HybridRingCache`, fixed mode) at the same context. A decode step's work does
@@ -13,6 +13,7 @@
 3. The files' sizes and export times.
 
     python benchmarks/export.py [--context 4096] [--steps 20] [--out /tmp/hc-export] [--json out.json] [--model DIR]
+        [--kv-only]
 
 Needs the `export` extra. Prints the machine line (CPU, threads, load average before and after).
 """
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/hc-export")
     parser.add_argument("--json", default=None)
     parser.add_argument("--reuse", action="store_true", help="reuse the files of an earlier run in --out")
+    parser.add_argument("--kv-only", action="store_true", help="section 1 only (seconds: nothing is exported)")
     parser.add_argument("--model", default=None, help="a local checkpoint (default: the embedded Gemma 3 270M)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -109,7 +111,7 @@ def main() -> None:
     length = args.context + 2 * args.steps + 8  # room for the timed steps
 
     print("\n1. KV bytes held (state allocated)")
-    kv = kv_table(model, [4096, 32768])
+    kv = kv_table(model, [2048, 4096, 32768])
     print("  max_cache_len | this program | transformers' exported module | ratio | 2W ring | ratio")
     for row in kv:
         print(
@@ -117,6 +119,8 @@ def main() -> None:
             f" | {row['program'] / row['transformers']:.3f}x | {row['ring_2w'] / 2**20:5.1f} MiB | "
             f"{row['program'] / row['ring_2w']:.3f}x"
         )
+    if args.kv_only:
+        return
 
     files: dict[str, dict] = {}
     with torch.no_grad():

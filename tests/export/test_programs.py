@@ -393,3 +393,28 @@ def test_quantized_program_agrees_with_the_quantized_model(family, tmp_path):
         agree += int(got.argmax() == want.argmax())
         assert got.argmax() == want.argmax() or want.max() - want[got.argmax()] < 0.05, end
     assert worst < 0.05 and agree >= 60 - 3 * WINDOW - 3, (worst, agree)
+
+
+def test_the_step_profile_counts_the_fused_ops(exported):
+    """benchmarks/profile_step.py (docs/export.md's per-op table) on the program: ETDump's events of a decode step
+    after a prompt of two windows name ExecuTorch's fused ops, as many calls per step as the layers make, each row
+    within the step's time."""
+    import importlib.util
+    from pathlib import Path
+
+    model, _, suffix, report = exported
+    if suffix != "pte":
+        pytest.skip("ETDump profiles .pte programs")
+    path = Path(__file__).parents[2] / "benchmarks" / "profile_step.py"
+    spec = importlib.util.spec_from_file_location("profile_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows, step_us = module.profile(str(report.path), context=2 * WINDOW + 3, steps=4, piece=CHUNK)
+    calls = {row["event"]: row["calls_per_step"] for row in rows}
+    types = model.config.layer_types
+    stores = [i for i in range(len(types)) if i < len(types) - getattr(model.config, "num_kv_shared_layers", 0)]
+    rings = sum(types[i] == "sliding_attention" for i in stores)
+    assert calls["llama::update_cache_with_indices.out"] == 2 * rings  # keys and values of each storing ring
+    assert calls["llama::update_cache.out"] == 2 * (len(stores) - rings)
+    assert calls["llama::custom_sdpa.out"] == len(types) + sum(t == "sliding_attention" for t in types)
+    assert step_us > 0 and all(0 <= row["us_per_step"] <= step_us for row in rows)
