@@ -185,8 +185,8 @@ def program_attention(
         raise RuntimeError(
             f"attn_implementation={PROGRAM_ATTENTION!r} runs only inside a hybrid_cache runner program."
         )
-    step, cache = _active(), _PROGRAMS[-1].cache
-    layer = _source_layer(cache, module.layer_idx)  # type: ignore[arg-type]
+    step, program = _active(), _PROGRAMS[-1]
+    layer = _source_layer(program.cache, module.layer_idx)  # type: ignore[arg-type]
     scale = float(scaling) if scaling is not None else None
     q = _bshd(query)
     if isinstance(layer, RunnerFullLayer):
@@ -200,7 +200,8 @@ def program_attention(
         mask = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
     chunk = torch.ops.llama.custom_sdpa(q, _bshd(key), _bshd(value), 0, mask, 0.0, False, scale)
     last = q.index_select(1, torch.arange(1) + (q.shape[1] - 1))
-    bound = (1 - step.many) * torch.sym_min(step.start_int, layer.sliding_window - 1)
+    # Ring slots = the window whenever this path is taken (`many` is 0 only for rings of exactly the window).
+    bound = (1 - step.many) * torch.sym_min(step.start_int, layer.max_slots - 1)
     decode = torch.ops.llama.custom_sdpa(last, layer.k_cache, layer.v_cache, bound, None, 0.0, False, scale)
     return torch.where(torch.full((1, 1, 1, 1), step.many) > 0, chunk, decode), None
 
