@@ -8,7 +8,7 @@ the 128 tokens one step at a time; at every position past the prompt the two pre
 largest |logit difference| is printed. Also printed, for the docs only: how many of its first 32 greedy tokens the
 program shares with fp32's (4-bit weights diverge from fp32 within a few tokens in every peer).
 
-    python benchmarks/quantized_agreement.py gemma3-8da4w.pte [--model DIR] [--new 128] [--json out.json]
+    python benchmarks/quantized_agreement.py gemma3-8da4w.pte [--model DIR] [--new 128] [--eager-stepped] [--json F]
 
 Needs the `export` extra.
 """
@@ -29,6 +29,11 @@ def main() -> None:
     parser.add_argument("program", help="a .pte written by export_program(..., quantize=...)")
     parser.add_argument("--model", default=None, help="the checkpoint it was exported from (default: embedded)")
     parser.add_argument("--new", type=int, default=128)
+    parser.add_argument(
+        "--eager-stepped",
+        action="store_true",
+        help="also the reference against itself fed step by step with DynamicCache (the noise floor of the measure)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from transformers import DynamicCache
@@ -50,6 +55,7 @@ def main() -> None:
         )
         quantize_model(model, quantization)
         reference = model(input_ids=fp32, use_cache=False).logits[0, prompt.shape[1] - 1 : -1].float()
+        floor = _eager_stepped(model, prompt, fp32, reference) if args.eager_stepped else None
     steps = [program.logits(prompt)]
     for end in range(prompt.shape[1] + 1, fp32.shape[1]):
         steps.append(program.logits(fp32[:, :end]))
@@ -69,6 +75,7 @@ def main() -> None:
         "max_abs_logit_difference": largest,
         "greedy_shared_with_fp32_of_32": shared,
         "greedy_first_divergence": first_divergence,
+        "eager_stepped": floor,
     }
     print(
         f"{quantization} program against the same quantized model in eager PyTorch, teacher-forced on "
@@ -76,9 +83,37 @@ def main() -> None:
         f"largest |logit difference| {largest:.4f}; greedy: {shared} of its first 32 tokens equal fp32's "
         f"(first difference at token {first_divergence})"
     )
+    if floor is not None:
+        print(
+            f"the reference against itself fed step by step with DynamicCache: agree at {floor['agreement']}/"
+            f"{len(steps)} positions, largest |logit difference| {floor['max_abs_logit_difference']:.4f}; "
+            f"{floor['margins_under_half']} positions have their top two reference logits within 0.5 "
+            f"(the closest {floor['smallest_margin']:.3f})"
+        )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)
+
+
+def _eager_stepped(model, prompt, sequence, reference) -> dict:
+    """The quantized model fed the prompt, then one token per step, with `DynamicCache`, against its own no-cache
+    forward (`reference`): how far another summation order alone moves the predictions."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    steps = [model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[0, -1:]]
+    for position in range(prompt.shape[1], sequence.shape[1] - 1):
+        token = sequence[:, position : position + 1]
+        steps.append(model(input_ids=token, past_key_values=cache, use_cache=True).logits[0, -1:])
+    stepped = torch.cat(steps).float()
+    top2 = reference.topk(2, -1).values
+    margins = top2[:, 0] - top2[:, 1]
+    return {
+        "agreement": int((stepped.argmax(-1) == reference.argmax(-1)).sum()),
+        "max_abs_logit_difference": float((stepped - reference).abs().max()),
+        "margins_under_half": int((margins < 0.5).sum()),
+        "smallest_margin": float(margins.min()),
+    }
 
 
 if __name__ == "__main__":
