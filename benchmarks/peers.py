@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,6 +86,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    from stock_runner import median_row  # this folder's: the same table rows
+
     from hybrid_cache.tools.text import load_text
 
     peers = {}
@@ -124,13 +125,7 @@ def main() -> None:
     for name, results in rows.items():
         if not results:
             continue
-        median = {key: statistics.median(r[key] for r in results) for key in ("ttft_ms", "decode_ms", "peak_rss_mib")}
-        loads = " / ".join(f"{r['load']:.2f}" for r in results)
-        print(
-            f"| {CHILDREN[name][0]} | {size_mib(peers[name][1]):.1f} | {results[0]['prompt_tokens']} | "
-            f"{median['ttft_ms'] / 1000:.2f} | {median['decode_ms']:.1f} | {median['peak_rss_mib']:.0f} | "
-            f"{loads} |"
-        )
+        print(median_row(CHILDREN[name][0], size_mib(peers[name][1]), results[0]["prompt_tokens"], results))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -49,6 +49,20 @@ print("RESULT " + json.dumps({
 """
 
 
+def median_row(label: str, size_mib: float, calls: object, results: list[dict]) -> str:
+    """One table row (benchmarks/peers.py prints its rows with it too): the medians of a program's rounds (time to
+    first token, decode ms/token, peak RSS) and each round's load average."""
+
+    def median(key: str) -> float:
+        return statistics.median(result[key] for result in results)
+
+    loads = " / ".join(f"{result['load']:.2f}" for result in results)
+    return (
+        f"| {label} | {size_mib:.1f} | {calls} | {median('ttft_ms') / 1000:.2f} | {median('decode_ms'):.1f} "
+        f"| {median('peak_rss_mib'):.0f} | {loads} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("programs", nargs="+", help="PATH.pte, or PATH.pte:N to feed the prompt in pieces of N tokens")
@@ -92,15 +106,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for spec, results in rows.items():
         path = spec.partition(":")[0]
-
-        def median(key: str, results: list[dict] = results) -> float:
-            return statistics.median(result[key] for result in results)
-
-        loads = " / ".join(f"{result['load']:.2f}" for result in results)
-        print(
-            f"| {path} | {os.path.getsize(path) / 2**20:.0f} | {results[0]['pieces']} | {median('ttft_ms') / 1000:.2f} "
-            f"| {median('decode_ms'):.1f} | {median('peak_rss_mib'):.0f} | {loads} |"
-        )
+        print(median_row(path, os.path.getsize(path) / 2**20, results[0]["pieces"], results))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
