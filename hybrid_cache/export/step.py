@@ -97,14 +97,16 @@ class FunctionalWrites(SlotWrites):
 
 
 class ProgramModule(torch.nn.Module):
-    """The model and its tensor-state cache (see the module docstring); `decode` / `chunk` are the program's steps
-    and `reset` zero-fills its state (an ExecuTorch program's buffers start uninitialized).
+    """The model and its tensor-state cache (see the module docstring): the `.onnx` program (`functional=True`, its
+    state the graph's inputs and outputs). With `functional=False` the state stays in buffers and `reset` zero-fills
+    them: the eager reference of the same arithmetic that tests run; no runtime exports it since the `.pte` became
+    `runner.RunnerProgram`.
 
     Args:
         model: a causal LM (`Gemma3ForCausalLM`, `Gemma4ForCausalLM`, ...) in eval mode, batch 1.
         max_cache_len (`int`): slots of every full layer (prompt + generated tokens).
         rollback_margin (`int`): extra ring slots, so that the runner can roll back `rollback_margin + 1` tokens.
-        functional (`bool`): the state is inputs and outputs (ONNX) instead of buffers (ExecuTorch).
+        functional (`bool`): the state is inputs and outputs (ONNX) instead of buffers (the eager reference).
     """
 
     def __init__(self, model: Any, max_cache_len: int, rollback_margin: int = 0, functional: bool = False) -> None:
@@ -173,8 +175,8 @@ class ProgramModule(torch.nn.Module):
         return (logits, *[tensor for layer in layers for tensor in (layer.keys, layer.values)])
 
     def reset(self) -> torch.Tensor:
-        """Zero every state buffer (a new ExecuTorch program's planned memory holds anything: a NaN in an unwritten
-        slot would reach every output through a zero attention weight)."""
+        """Zero every state buffer (a NaN in an unwritten slot would reach every output through a zero attention
+        weight)."""
         for _, tensor in self.state():
             tensor.zero_()
         return torch.zeros(1)
