@@ -347,12 +347,12 @@ class RingSlidingLayer(UndoableStepLayer[RingStepUndo]):
     # transformers declares `-> tuple[int, int]`: keys returned out of time order put a `RingLayout` in the
     # offset's place, which this package's mask hook (mask_hook.py) reads; hence the wider return type.
     def get_mask_sizes(self, query_length: int) -> tuple[int, int | RingLayout]:  # type: ignore[override]
-        length, kind = self.cumulative_length, self._step_kind(query_length)
-        if kind == "decode":  # the ring after writing position `length`
-            return self.max_slots, RingLayout(self._slot_positions(length + 1), end=length + 1)
+        length, width = self.cumulative_length, self.returned_key_count(query_length)
+        if self._step_kind(query_length) == "decode":  # the ring after writing position `length`
+            return width, RingLayout(self._slot_positions(length + 1), end=length + 1)
         # Time-ordered keys from `first` on; the hook checks that the model's window does not reach further back.
         first = self._first_returned(query_length)
-        return length - first + query_length, HeldFromOffset(first) if first else 0
+        return width, HeldFromOffset(first) if first else 0
 
     def returned_key_count(self, query_length: int) -> int:
         decode = self._step_kind(query_length) == "decode"
@@ -541,11 +541,11 @@ class StaticRingSlidingLayer(RingSlidingLayer):
             held = self._slot_positions(self.length_tensor, self.oldest_tensor)
             positions = torch.cat([held, self.length_tensor + torch.arange(query_length, device=held.device)])
             end = self.length_tensor + query_length
-            return self.max_slots + query_length, RingLayout(positions, end=end if compiling else int(end))
+            return self.returned_key_count(query_length), RingLayout(positions, end=end if compiling else int(end))
         # Positions after writing position `length` at slot `length % capacity`; computed from the tensors alone.
         end = self.length_tensor + 1
         positions = self._slot_positions(end, self.oldest_tensor)
-        return self.max_slots, RingLayout(positions, end=end if compiling else int(end))
+        return self.returned_key_count(1), RingLayout(positions, end=end if compiling else int(end))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any

@@ -118,15 +118,17 @@ class SinkWindowFullLayer(UndoableStepLayer[SinkWindowStepUndo]):
         if kind == "fresh":
             return query_length, 0
         if kind == "decode":
-            return self.max_slots, RingLayout(self._slot_positions(length + 1, length + 1 - self.window))
+            return self.returned_key_count(query_length), RingLayout(
+                self._slot_positions(length + 1, length + 1 - self.window)
+            )
         held = self._slot_positions(length, length + 1 - self.window)
         new = torch.arange(length, length + query_length, device=held.device)
-        return self.max_slots + query_length, RingLayout(torch.cat([held, new]))
+        return self.returned_key_count(query_length), RingLayout(torch.cat([held, new]))
 
     def returned_key_count(self, query_length: int) -> int:
         kind = self._step_kind(query_length)
         if kind in ("ordered", "fresh"):
-            return self.get_mask_sizes(query_length)[0]  # ints, no layout
+            return super().returned_key_count(query_length)  # get_mask_sizes' ints: no layout built
         return self.max_slots + (query_length if kind != "decode" else 0)
 
     # --- update ---------------------------------------------------------------------------------------------------
